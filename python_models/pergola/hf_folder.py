@@ -1,0 +1,149 @@
+"""Read a Hugging Face model folder (plus its sentence-transformers files) into a ModelSpec.
+
+Everything pergola needs to know about a model that the folder itself decides lives here:
+architecture, pooling, normalisation, truncation length, named prompts. Serving settings
+(device, token budget, limits) live in `pergola.config.EngineConfig` instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Pooling = Literal["mean", "cls", "last"]
+Task = Literal["embed", "rerank"]
+
+# HF `model_type` -> pergola architecture file (pergola/models/<name>.py).
+ARCHITECTURES = {"bert": "bert", "qwen3": "qwen3"}
+
+
+class ModelFolderError(ValueError):
+    """The folder is not a model pergola can serve; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: Path
+    architecture: str
+    hf_config: dict[str, Any]
+    task: Task = "embed"
+    pooling: Pooling = "mean"
+    include_prompt: bool = True  # sentence-transformers: prompt tokens count in mean pooling
+    normalize: bool = False
+    max_seq_length: int = 512
+    do_lower_case: bool = False
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    causal: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config["hidden_size"])
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.path / "tokenizer.json"
+
+
+def _read_json(path: Path) -> dict[str, Any] | list[Any] | None:
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _pooling_from_st(path: Path, modules: list[dict[str, Any]]) -> tuple[Pooling | None, bool, bool]:
+    """(pooling mode, include_prompt, normalize) from sentence-transformers' modules.json."""
+    pooling: Pooling | None = None
+    include_prompt = True
+    normalize = False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            cfg = _read_json(path / module.get("path", "1_Pooling") / "config.json") or {}
+            if cfg.get("pooling_mode_lasttoken"):
+                pooling = "last"
+            elif cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif cfg.get("pooling_mode_mean_tokens"):
+                pooling = "mean"
+            else:
+                modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
+                raise ModelFolderError(
+                    f"{path}: pooling {modes} is not supported; use mean, cls or lasttoken pooling"
+                )
+            include_prompt = bool(cfg.get("include_prompt", True))
+        elif kind == "Normalize":
+            normalize = True
+        elif kind not in ("Transformer",):
+            raise ModelFolderError(
+                f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
+                "(pergola serves Transformer -> Pooling -> Normalize pipelines)"
+            )
+    return pooling, include_prompt, normalize
+
+
+def _default_max_len(hf_config: dict[str, Any], tokenizer_config: dict[str, Any]) -> int:
+    limit = int(hf_config.get("max_position_embeddings", 512))
+    tok_max = tokenizer_config.get("model_max_length")
+    if isinstance(tok_max, (int, float)) and 0 < tok_max < limit:
+        limit = int(tok_max)
+    return limit
+
+
+def load_model_spec(
+    folder: str | Path,
+    *,
+    task: Task | None = None,
+    pooling: Pooling | None = None,
+    causal: bool | None = None,
+) -> ModelSpec:
+    """Read `folder`; explicit arguments override what the folder says."""
+    path = Path(folder).expanduser().resolve()
+    hf_config = _read_json(path / "config.json")
+    if not isinstance(hf_config, dict):
+        raise ModelFolderError(f"{path}: no config.json; pass a Hugging Face model folder")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelFolderError(f"{path}: no tokenizer.json (a fast tokenizer file is required)")
+    model_type = str(hf_config.get("model_type", ""))
+    if model_type not in ARCHITECTURES:
+        raise ModelFolderError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    archs = [str(a) for a in hf_config.get("architectures") or []]
+    folder_task: Task = "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
+
+    modules = _read_json(path / "modules.json")
+    st_pooling, include_prompt, normalize = (
+        _pooling_from_st(path, modules) if isinstance(modules, list) else (None, True, False)
+    )
+    st_config = _read_json(path / "sentence_bert_config.json") or {}
+    st_prompts = _read_json(path / "config_sentence_transformers.json") or {}
+    tok_config = _read_json(path / "tokenizer_config.json") or {}
+
+    is_decoder = model_type == "qwen3"
+    # Decoders attend causally unless the folder says otherwise (pplx-embed style bidirectional).
+    folder_causal = is_decoder and not hf_config.get("use_bidirectional_attention", False)
+    default_pooling: Pooling = "last" if is_decoder else "mean"
+    max_len = st_config.get("max_seq_length") or _default_max_len(hf_config, tok_config)
+    prompts = {str(k): str(v) for k, v in (st_prompts.get("prompts") or {}).items()}
+    default_prompt = st_prompts.get("default_prompt_name") or None
+    if default_prompt is not None and default_prompt not in prompts:
+        raise ModelFolderError(f"{path}: default_prompt_name {default_prompt!r} is not in prompts")
+
+    return ModelSpec(
+        path=path,
+        architecture=ARCHITECTURES[model_type],
+        hf_config=hf_config,
+        task=task or folder_task,
+        pooling=pooling or st_pooling or default_pooling,
+        include_prompt=include_prompt,
+        normalize=normalize,
+        max_seq_length=int(max_len),
+        do_lower_case=bool(st_config.get("do_lower_case", False)),
+        prompts=prompts,
+        default_prompt_name=default_prompt,
+        causal=folder_causal if causal is None else causal,
+    )

@@ -1,0 +1,108 @@
+"""BERT family encoder (BERT, MiniLM, ...) over flat tokens: [num_tokens, hidden], no padding.
+
+Module and weight names follow Hugging Face's `BertModel`, so checkpoints load by name; the
+query/key/value projections are fused into one `qkv` matmul at load (`packed_modules_mapping`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergola.layers.attention import AttentionBackend, AttentionMetadata
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.word_embeddings = nn.Embedding(cfg["vocab_size"], h)
+        self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], h)
+        self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
+        self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        x = x + self.token_type_embeddings(token_types)
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.head_dim = h // self.num_heads
+        self.qkv = nn.Linear(h, 3 * h)  # fused query | key | value
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # each [T, H, D]
+        return attn(q, k, v, meta).reshape(t, -1)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        h, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("layer_norm_eps", 1e-12)
+        self.attention = nn.Module()
+        self.attention.self = BertSelfAttention(cfg)
+        self.attention.output = nn.Module()
+        self.attention.output.dense = nn.Linear(h, h)
+        self.attention.output.LayerNorm = nn.LayerNorm(h, eps=eps)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = nn.Linear(h, inter)
+        self.output = nn.Module()
+        self.output.dense = nn.Linear(inter, h)
+        self.output.LayerNorm = nn.LayerNorm(h, eps=eps)
+        self.act = ACTIVATIONS[cfg.get("hidden_act", "gelu")]
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        a = self.attention.self(x, meta, attn)
+        x = self.attention.output.LayerNorm(self.attention.output.dense(a) + x)
+        y = self.output.dense(self.act(self.intermediate.dense(x)))
+        return self.output.LayerNorm(y + x)
+
+
+class BertModel(nn.Module):
+    """Returns the last hidden states [num_tokens, hidden] of a ragged batch."""
+
+    # checkpoint name -> (fused parameter, shard index)
+    packed_modules_mapping = {
+        "attention.self.query": ("attention.self.qkv", 0),
+        "attention.self.key": ("attention.self.qkv", 1),
+        "attention.self.value": ("attention.self.qkv", 2),
+    }
+    checkpoint_prefixes = ("bert.", "model.")
+    causal = False
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, restarting at 0 for every sequence
+        token_types: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_types)
+        for layer in self.encoder.layer:
+            x = layer(x, meta, attn)
+        return x

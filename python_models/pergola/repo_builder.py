@@ -1,0 +1,115 @@
+"""`pergola build-repo`: a Triton model repository from Hugging Face model folders.
+
+For a model NAME it writes
+    NAME_tokenizer/  config.pbtxt, 1/model.py, 1/hf -> the model folder
+    NAME_encoder/    config.pbtxt, 1/model.py, 1/hf -> the model folder
+    NAME/            the ensemble (TEXT -> EMBEDDING)
+and, for the default model, the ensemble again as `embed`. Configs come from the templates
+in ensemble_configs/, adapters from python_models/.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+
+from pergola.config import EngineConfig
+from pergola.hf_folder import load_model_spec
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = PROJECT_ROOT / "ensemble_configs"
+ADAPTERS = PROJECT_ROOT / "python_models"
+GENERIC_FOLDER_NAMES = {"model", "hf", "weights", "snapshot"}
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    config: EngineConfig
+    tokenizer_instances: int = 2
+    max_batch_requests: int = 64
+    max_queue_size: int = 256
+    settings: dict[str, str] = field(default_factory=dict)
+
+
+def model_name_for(folder: str | Path) -> str:
+    """A Triton-safe model name from a folder path (`.../all-MiniLM-L6-v2` -> `all-MiniLM-L6-v2`)."""
+    path = Path(folder).expanduser().resolve()
+    base = path.name if path.name.lower() not in GENERIC_FOLDER_NAMES else path.parent.name
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", base).strip("_.") or "model"
+
+
+def _parameters_block(params: dict[str, str]) -> str:
+    items = [
+        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in sorted(params.items())
+    ]
+    return "\n".join(items)
+
+
+def _render(template: str, **values: object) -> str:
+    return Template((TEMPLATES / template).read_text()).substitute({k: str(v) for k, v in values.items()})
+
+
+def _write_version(model_dir: Path, adapter: str, hf_folder: Path, version: int = 1) -> None:
+    vdir = model_dir / str(version)
+    vdir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ADAPTERS / adapter / "model.py", vdir / "model.py")
+    link = vdir / "hf"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(hf_folder, target_is_directory=True)
+
+
+def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> None:
+    cfg = entry.config
+    spec = cfg.spec()  # fails here, with a clear message, rather than at server start
+    if spec.task != "embed":
+        raise ValueError(f"{spec.path}: task {spec.task!r} is not served yet (embedding models only)")
+    params = {k: v for k, v in cfg.to_parameters().items() if k != "model_dir"}
+    params.pop("device", None)  # the instance kind decides the device
+    block = _parameters_block(params)
+    name = entry.name
+    for part, template in (("tokenizer", "tokenizer.pbtxt"), ("encoder", "encoder.pbtxt")):
+        mdir = repo / f"{name}_{part}"
+        mdir.mkdir(parents=True, exist_ok=True)
+        (mdir / "config.pbtxt").write_text(_render(
+            template, name=name, parameters=block, instance_kind=instance_kind,
+            tokenizer_instances=entry.tokenizer_instances, max_batch_requests=entry.max_batch_requests,
+            max_queue_size=entry.max_queue_size,
+        ))
+        _write_version(mdir, part, spec.path)
+
+
+def write_ensemble(repo: Path, ensemble: str, name: str) -> None:
+    edir = repo / ensemble
+    (edir / "1").mkdir(parents=True, exist_ok=True)
+    (edir / "config.pbtxt").write_text(_render("embed_ensemble.pbtxt", ensemble=ensemble, name=name))
+
+
+def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, clean: bool = True) -> Path:
+    """Write the repository for `entries`; the first one is also served as `embed`."""
+    repo = Path(repo).expanduser().resolve()
+    if not entries:
+        raise ValueError("no models to build")
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names) or "embed" in names:
+        raise ValueError(f"model names must be unique and not 'embed': {names}")
+    if clean and repo.exists():
+        shutil.rmtree(repo)
+    repo.mkdir(parents=True, exist_ok=True)
+    kind = "KIND_GPU" if gpu else "KIND_CPU"
+    for entry in entries:
+        write_model(repo, entry, kind)
+        write_ensemble(repo, entry.name, entry.name)
+    write_ensemble(repo, "embed", entries[0].name)
+    return repo
+
+
+def entry_from_folder(folder: str | Path, name: str | None = None, **settings: object) -> ModelEntry:
+    load_model_spec(folder)  # validate early
+    cfg = EngineConfig(model_dir=str(Path(folder).expanduser().resolve()),
+                       **{k: v for k, v in settings.items() if v is not None})
+    return ModelEntry(name=name or model_name_for(folder), config=cfg)

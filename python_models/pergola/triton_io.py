@@ -1,0 +1,52 @@
+"""Helpers the Triton `model.py` adapters share: optional inputs, errors, instance device.
+
+`pb_utils` (triton_python_backend_utils) only exists inside the Triton stub, so the adapters
+pass it in; everything else in pergola imports and tests without Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pergola.errors import RequestError, decode_utf8
+
+
+def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
+    """First element of an optional input, or None when the client did not send it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise RequestError(f"{name} takes exactly one value, got {values.size}")
+    value = values[0]
+    if isinstance(value, bytes):
+        return decode_utf8([value], name)[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def required_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise RequestError(f"input {name} is required")
+    return tensor.as_numpy().reshape(-1).astype(dtype, copy=False)
+
+
+def error_response(pb_utils: Any, exc: Exception) -> Any:
+    """A Triton error response; RequestError is the client's to fix (INVALID_ARG)."""
+    if isinstance(exc, RequestError):
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        )
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+    )
+
+
+def instance_device(args: dict[str, str]) -> str:
+    """'cuda:N' for a KIND_GPU instance, 'cpu' otherwise."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args['model_instance_device_id']}"
+    return "cpu"

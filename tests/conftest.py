@@ -1,0 +1,143 @@
+"""Shared fixtures: the default model folder, a sentence-transformers reference, a real server.
+
+The server fixture starts the real tritonserver (from the nvidia-pytriton wheel) once per test
+session on free ports. PERGOLA_TEST_DEVICE=gpu builds the encoder as a KIND_GPU instance (run
+on the GPU machine); the default is the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pergola.cli import default_model_folder
+
+TEST_DEVICE = os.environ.get("PERGOLA_TEST_DEVICE", "cpu")
+MAX_TEXTS = 64  # the server under test refuses larger requests (the error test needs a limit)
+
+# Texts that stress tokenization and pooling: long (truncated at 256 tokens), multilingual,
+# emoji, whitespace-only, code, mixed case and punctuation.
+TEXTS = [
+    "What is the capital of France?",
+    "Paris is the capital and most populous city of France. " * 40,
+    "北京是中华人民共和国的首都。",
+    "Москва — столица России.",
+    "القاهرة هي عاصمة مصر",
+    "नई दिल्ली भारत की राजधानी है।",
+    "🚀🔥 emoji-only and mixed 👩‍💻 text ✨",
+    "   \t  ",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "SELECT id, name FROM users WHERE email LIKE '%@example.com';",
+    "MiXeD CaSe, punctuation!!! ??? ... and numbers 3.14159",
+    "a",
+]
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return (a * b).sum(axis=1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def minilm_folder() -> Path:
+    return default_model_folder()
+
+
+@pytest.fixture(scope="session")
+def st_model(minilm_folder: Path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_folder), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def reference(st_model) -> np.ndarray:
+    return st_model.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+
+
+@dataclass
+class RunningServer:
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    repo: Path
+    log: Path
+    process: subprocess.Popen
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+    from pergola.repo_builder import build_repository, entry_from_folder
+    from pergola.server import ServerOptions, free_port, start, wait_ready
+
+    root = tmp_path_factory.mktemp("triton")
+    entry = entry_from_folder(minilm_folder, "minilm", max_texts=MAX_TEXTS)
+    repo = build_repository(root / "model_repository", [entry], gpu=TEST_DEVICE == "gpu")
+    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    log = root / "tritonserver.log"
+    proc = start(opts, log_path=log)
+    try:
+        wait_ready(opts.http_port, proc, timeout=240)
+    except Exception:
+        proc.kill()
+        print(log.read_text()[-5000:])
+        raise
+    yield RunningServer(
+        http_url=f"127.0.0.1:{opts.http_port}", grpc_url=f"127.0.0.1:{opts.grpc_port}",
+        metrics_url=f"http://127.0.0.1:{opts.metrics_port}/metrics", repo=repo, log=log, process=proc,
+    )
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(params=["grpc", "http"])
+def client(request: pytest.FixtureRequest, server: RunningServer):
+    from pergola_client import PergolaClient
+
+    url = server.grpc_url if request.param == "grpc" else server.http_url
+    with PergolaClient(url, protocol=request.param, model="embed") as c:
+        yield c
+
+
+def derived_folder(src: Path, dst: Path, prompts: dict[str, str] | None = None,
+                   default_prompt: str | None = None, pooling: dict | None = None) -> Path:
+    """A copy of a model folder (files symlinked) with other prompts or pooling settings."""
+    import json
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name not in ("config_sentence_transformers.json", "1_Pooling"):
+            (dst / item.name).symlink_to(item)
+    st_cfg = json.loads((src / "config_sentence_transformers.json").read_text())
+    if prompts is not None:
+        st_cfg["prompts"] = prompts
+        st_cfg["default_prompt_name"] = default_prompt
+    (dst / "config_sentence_transformers.json").write_text(json.dumps(st_cfg))
+    pool_cfg = json.loads((src / "1_Pooling" / "config.json").read_text())
+    pool_cfg.update(pooling or {})
+    (dst / "1_Pooling").mkdir()
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
+    return dst

@@ -1,0 +1,103 @@
+"""The real tritonserver, over gRPC and HTTP, against sentence-transformers on the same weights."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from conftest import TEST_DEVICE, TEXTS, cosine_rows
+
+# FP32 on the CPU must agree to 1e-4 cosine; a BF16 GPU instance to 1e-3.
+MIN_COSINE = 0.9999 if TEST_DEVICE == "cpu" else 0.999
+MAX_DIFF = 1e-5 if TEST_DEVICE == "cpu" else 2e-2
+
+
+def test_embed_matches_sentence_transformers(client, reference):
+    out = client.embed(TEXTS)
+    assert out.shape == reference.shape and out.dtype == np.float32
+    assert cosine_rows(out, reference).min() >= MIN_COSINE
+
+
+def test_single_text(client, reference):
+    out = client.embed([TEXTS[0]])
+    assert out.shape == (1, reference.shape[1])
+    assert cosine_rows(out, reference[:1]).min() >= MIN_COSINE
+
+
+def test_batched_equals_single(client):
+    batched = client.embed(TEXTS)
+    singles = np.concatenate([client.embed([t]) for t in TEXTS])
+    assert np.abs(batched - singles).max() <= MAX_DIFF
+
+
+def test_concurrent_requests_do_not_change_results(server, client):
+    """Requests sent together share encoder steps; each text's embedding must not move."""
+    from pergola_client import PergolaClient
+
+    expected = {t: client.embed([t])[0] for t in TEXTS}
+    jobs = [TEXTS[i:i + k] for k in (1, 2, 3) for i in range(0, len(TEXTS), k)] * 2
+    url = server.grpc_url if client.protocol == "grpc" else server.http_url
+
+    def call(texts: list[str]) -> np.ndarray:  # one client per call: the HTTP client is not thread-safe
+        with PergolaClient(url, protocol=client.protocol) as c:
+            return c.embed(texts)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, jobs))
+    for texts, out in zip(jobs, results):
+        for t, row in zip(texts, out):
+            assert np.abs(row - expected[t]).max() <= MAX_DIFF
+
+
+def test_dimensions_and_normalize_options(client):
+    full = client.embed(TEXTS[:4], normalize=False)
+    assert not np.allclose(np.linalg.norm(full, axis=1), 1.0)
+    short = client.embed(TEXTS[:4], dimensions=64)
+    assert short.shape == (4, 64)
+    expected = full[:, :64] / np.linalg.norm(full[:, :64], axis=1, keepdims=True)
+    np.testing.assert_allclose(short, expected, atol=1e-5)
+
+
+def test_long_text_is_truncated_by_default(client, reference):
+    long_text = TEXTS[1] * 5  # far over 256 tokens
+    out = client.embed([long_text])
+    assert out.shape == (1, 384) and np.isfinite(out).all()
+
+
+def test_token_count_output(server, st_model):
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    text = grpcclient.InferInput("TEXT", [3], "BYTES")
+    text.set_data_from_numpy(np.array([t.encode() for t in TEXTS[:3]], dtype=object))
+    result = c.infer("embed", [text], outputs=[grpcclient.InferRequestedOutput("TOKEN_COUNT")])
+    expected = [min(len(st_model.tokenizer(t)["input_ids"]), 256) for t in TEXTS[:3]]
+    assert result.as_numpy("TOKEN_COUNT").tolist() == expected
+
+
+def test_named_model_and_default_alias_agree(server):
+    from pergola_client import PergolaClient
+
+    with PergolaClient(server.grpc_url) as c:
+        np.testing.assert_array_equal(c.embed(TEXTS[:3], model="minilm"), c.embed(TEXTS[:3], model="embed"))
+
+
+def test_pretokenized_encoder_reads_known_values(server, st_model, reference):
+    """Known token ids sent straight to the encoder come back as the reference embeddings.
+
+    This is the guard against a stub that reads tensors wrongly (numpy 2 under the stub)."""
+    from pergola_client import PergolaClient
+
+    ids = [st_model.tokenizer(t, truncation=True, max_length=256)["input_ids"] for t in TEXTS]
+    with PergolaClient(server.grpc_url) as c:
+        out = c.embed_tokens(ids, model="minilm_encoder")
+    assert cosine_rows(out, reference).min() >= MIN_COSINE
+
+
+def test_server_metrics_endpoint(server):
+    import urllib.request
+
+    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    assert 'nv_inference_request_success{model="minilm_encoder"' in body
