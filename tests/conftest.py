@@ -100,7 +100,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
         wait_ready(opts.http_port, proc, timeout=240)
     except Exception:
         proc.kill()
-        print(log.read_text()[-5000:])
+        text = log.read_text(errors="replace")
+        print("\n".join(line for line in text.splitlines() if line.startswith("E") or "rror" in line))
+        print(text[-3000:])
         raise
     yield RunningServer(
         http_url=f"127.0.0.1:{opts.http_port}", grpc_url=f"127.0.0.1:{opts.grpc_port}",

@@ -26,6 +26,7 @@ class EngineConfig:
     truncate:          default for requests that do not say: cut long texts (True) or refuse them.
     attention_backend: one of ATTENTION_BACKENDS; "auto" picks per device.
     enforce_eager:     never capture CUDA graphs.
+    cuda_graph_max_tokens: steps with more tokens run eagerly (the launch-vs-GPU-time crossover).
     query_prompt / document_prompt: prompt names or literal prefixes used for the `query` and
                        `document` prompt names when the folder defines none.
     """
@@ -39,6 +40,7 @@ class EngineConfig:
     truncate: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cuda_graph_max_tokens: int = 4096
     query_prompt: str = ""
     document_prompt: str = ""
     task: str = ""

@@ -77,8 +77,10 @@ class TritonInstall:
         env["LD_LIBRARY_PATH"] = ":".join(
             [str(p) for p in self.lib_dirs] + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
         )
-        # The stub's interpreter is the first python3 on PATH: make it this environment's.
-        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        # The stub's interpreter is the first python3 on PATH: this environment's, unless
+        # PERGOLA_STUB_BIN names another (a venv with numpy 1.x beside a numpy-2 torch install).
+        stub_bin = os.environ.get("PERGOLA_STUB_BIN") or str(Path(sys.executable).parent)
+        env["PATH"] = f"{stub_bin}:{env.get('PATH', '')}"
         return env
 
 
@@ -90,7 +92,7 @@ class ServerOptions:
     metrics_port: int = 8002
     model_control: str = "none"  # "none" loads everything; "explicit" for the repository API
     log_verbose: int = 0
-    shm_bytes: int = 64 << 20  # Python backend shared-memory arena per model instance
+    shm_bytes: int = 8 << 20  # Python backend shared-memory arena per instance (grows by as much)
     extra: list[str] = field(default_factory=list)
 
 

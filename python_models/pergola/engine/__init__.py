@@ -61,7 +61,7 @@ class Engine:
             types = np.concatenate([
                 np.zeros(s.length, np.int64) if requests[s.request].token_types is None
                 else requests[s.request].token_types[s.start:s.start + s.length] for s in step.seqs])
-        return self.runner.prepare(ids, lengths, skips, types)
+        return ids, lengths, skips, types
 
     def encode(self, requests: list[EncodeRequest]) -> list[np.ndarray]:
         """-> one [n_i, hidden] fp32 array per request (pooled, not yet truncated/normalised)."""
@@ -78,7 +78,7 @@ class Engine:
 
         inflight: tuple[Step, LazyTensor] | None = None
         for step in scheduler.steps():
-            lazy = self.runner.step(self._gather(requests, step))  # prepared while the last step runs
+            lazy = self.runner.step(*self._gather(requests, step))  # packed while the last step runs
             if inflight is not None:
                 collect(*inflight)
             inflight = (step, lazy)

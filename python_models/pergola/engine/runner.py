@@ -1,4 +1,11 @@
-"""ModelRunner: owns the model, its device tensors and the attention backend; runs one step."""
+"""ModelRunner: owns the model, its device buffers, the CUDA graphs and the attention backend.
+
+On a GPU every step goes through fixed device buffers: the host packs a step's inputs into a
+pinned staging buffer (one of two, so step N+1 is packed while step N runs), one async copy per
+dtype moves them, and the forward reads views of fixed addresses, which is what lets a CUDA
+graph captured for a bucket replay any later step of that bucket. On the CPU the runner just
+builds tensors and calls the model.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import numpy as np
 import torch
 
 from pergola.config import EngineConfig
+from pergola.engine.graphs import GraphCache
 from pergola.engine.lazy import LazyTensor
 from pergola.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionMetadata, make_backend
@@ -23,8 +31,82 @@ class BatchInputs:
     positions: torch.Tensor  # [T] int64, 0.. within each sequence
     token_types: torch.Tensor  # [T] int64
     seq_ids: torch.Tensor  # [T] int64, sequence index of each token (mean pooling)
-    token_weights: torch.Tensor | None  # [T] fp32, 0 for prompt tokens that pooling skips
+    token_weights: torch.Tensor | None  # [T] fp32, 0 for tokens pooling skips (prompt, padding)
     meta: AttentionMetadata
+
+
+def host_inputs(lengths: np.ndarray, skips: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(positions [T], seq_ids [T], weights [T] or None) for a ragged batch, computed on the host."""
+    num_tokens = int(lengths.sum())
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    seq_ids = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    positions = np.arange(num_tokens, dtype=np.int64) - starts[seq_ids]
+    weights = None
+    if skips is not None and skips.any():
+        weights = (positions >= skips[seq_ids]).astype(np.float32)
+    return positions, seq_ids, weights
+
+
+class StaticBuffers:
+    """Fixed device buffers for up to `max_tokens` tokens / `max_seqs` sequences, and pinned staging.
+
+    Layout for a step padded to t tokens and s sequences (views at fixed offsets per (s, t)):
+      i64[0:t] ids | i64[t:2t] positions | i64[2t:3t] token types | i64[3t:4t] sequence ids
+      i32[0:s+1] cu_seqlens, f32[0:t] pooling weights, pooled[0:s] output [s, hidden] fp32.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, hidden: int, device: torch.device) -> None:
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.i64 = torch.zeros(4 * max_tokens, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.f32 = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        self.pooled = torch.zeros(max_seqs, hidden, dtype=torch.float32, device=device)
+        self._host = [self._staging() for _ in range(2)]
+        self._slot = 0
+
+    def _staging(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.empty(4 * self.max_tokens, dtype=torch.int64, pin_memory=True),
+                torch.empty(self.max_seqs + 1, dtype=torch.int32, pin_memory=True),
+                torch.empty(self.max_tokens, dtype=torch.float32, pin_memory=True))
+
+    def fill(self, ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None,
+             token_types: np.ndarray | None, s: int, t: int) -> None:
+        """Pack one step (B real sequences, T real tokens) padded to (s, t) and copy it over.
+
+        Padding tokens form one extra sequence (index B) with pooling weight 0; sequences
+        B+1..s-1 are empty. Attention never mixes them with real ones (cu_seqlens keeps them apart).
+        """
+        b, n = len(lengths), int(ids.shape[0])
+        h64, h32, hf = self._host[self._slot]
+        self._slot ^= 1
+        v64, v32, vf = h64.numpy(), h32.numpy(), hf.numpy()
+        positions, seq_ids, weights = host_inputs(lengths, skips)
+        v64[0:n] = ids
+        v64[n:t] = 0
+        v64[t:t + n] = positions
+        v64[t + n:2 * t] = 0
+        if token_types is None:
+            v64[2 * t:3 * t] = 0
+        else:
+            v64[2 * t:2 * t + n] = token_types
+            v64[2 * t + n:3 * t] = 0
+        v64[3 * t:3 * t + n] = seq_ids
+        v64[3 * t + n:4 * t] = b
+        v32[0] = 0
+        np.cumsum(lengths, out=v32[1:b + 1])
+        v32[b + 1:s + 1] = t
+        vf[0:n] = 1.0 if weights is None else weights
+        vf[n:t] = 0.0
+        self.cu_seqlens_host = h32[:s + 1]  # for backends that plan on the host (FlashInfer)
+        self.i64[:4 * t].copy_(h64[:4 * t], non_blocking=True)
+        self.i32[:s + 1].copy_(h32[:s + 1], non_blocking=True)
+        self.f32[:t].copy_(hf[:t], non_blocking=True)
+
+    def inputs(self, s: int, t: int, max_seqlen: int, causal: bool) -> BatchInputs:
+        meta = AttentionMetadata(cu_seqlens=self.i32[:s + 1], max_seqlen=max_seqlen, causal=causal)
+        return BatchInputs(self.i64[0:t], self.i64[t:2 * t], self.i64[2 * t:3 * t], self.i64[3 * t:4 * t],
+                           self.f32[:t], meta)
 
 
 class ModelRunner:
@@ -36,46 +118,38 @@ class ModelRunner:
         self.model = build_model(spec, device, self.dtype)
         self.attn = make_backend(cfg.attention_backend, device, self.dtype)
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
-        self._host_buffers: list[torch.Tensor] = []
-        self._next_buffer = 0
+        self.buffers: StaticBuffers | None = None
+        self.graphs: GraphCache | None = None
+        self._result_buffers: list[torch.Tensor] = []
+        self._next_result = 0
+        self.last_mode = "eager"  # what the last step did: eager / warmup / capture / replay
         if device.type == "cuda":
-            # Two pinned result buffers: step N+1 fills one while step N's is read.
-            shape = (cfg.max_batch_seqs, spec.hidden_size)
-            self._host_buffers = [torch.empty(shape, pin_memory=True) for _ in range(2)]
+            max_seqs = cfg.max_batch_seqs + 1  # + the padding sequence
+            max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
+            self.buffers = StaticBuffers(max_tokens, max_seqs, spec.hidden_size, device)
+            # Two pinned result buffers: step N+1's result lands in one while step N's is read.
+            self._result_buffers = [torch.empty(max_seqs, spec.hidden_size, pin_memory=True) for _ in range(2)]
+            # Backends that plan on the host each step (FlashInfer) run eagerly for now.
+            graph_safe = not getattr(self.attn, "needs_plan", False)
+            if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
+                self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens), max_seqs)
 
-    def prepare(
-        self,
-        input_ids: np.ndarray,  # [T] int64
-        lengths: np.ndarray,  # [B] int32
-        skips: np.ndarray | None = None,  # [B] leading tokens left out of mean pooling
-        token_types: np.ndarray | None = None,  # [T]
-    ) -> BatchInputs:
-        """Host-side work for one step; runs while the previous step is on the GPU."""
-        num_tokens = int(input_ids.shape[0])
-        starts = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        seq_ids = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-        positions = np.arange(num_tokens, dtype=np.int64) - starts[seq_ids]
-        weights = None
-        if skips is not None and skips.any():
-            weights = (positions >= skips[seq_ids]).astype(np.float32)
+    # --- CPU path -------------------------------------------------------------------------
+    def prepare(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
+                token_types: np.ndarray | None = None) -> BatchInputs:
+        """Tensors for one step without static buffers (CPU, or tests of the eager path)."""
+        positions, seq_ids, weights = host_inputs(lengths, skips)
         dev = self.device
 
         def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
 
-        types = token_types if token_types is not None else np.zeros(num_tokens, dtype=np.int64)
-        meta = AttentionMetadata.build(
-            lengths.tolist(), dev, causal=self.spec.causal, padded=getattr(self.attn, "needs_padding", False)
-        )
-        return BatchInputs(
-            input_ids=put(input_ids.astype(np.int64, copy=False)),
-            positions=put(positions),
-            token_types=put(types.astype(np.int64, copy=False)),
-            seq_ids=put(seq_ids),
-            token_weights=None if weights is None else put(weights),
-            meta=meta,
-        )
+        types = token_types if token_types is not None else np.zeros(len(input_ids), dtype=np.int64)
+        meta = AttentionMetadata.build(lengths.tolist(), dev, causal=self.spec.causal,
+                                       padded=getattr(self.attn, "needs_padding", False))
+        return BatchInputs(put(input_ids.astype(np.int64, copy=False)), put(positions),
+                           put(types.astype(np.int64, copy=False)), put(seq_ids),
+                           None if weights is None else put(weights), meta)
 
     @torch.inference_mode()
     def forward(self, b: BatchInputs) -> torch.Tensor:
@@ -83,11 +157,34 @@ class ModelRunner:
         hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, self.attn)
         return pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
 
-    def step(self, b: BatchInputs) -> LazyTensor:
-        """Launch forward + pooling + copy to host; returns at once on the GPU."""
-        out = self.forward(b)
-        if self.device.type == "cpu":
-            return LazyTensor(out)
-        buf = self._host_buffers[self._next_buffer]
-        self._next_buffer ^= 1
-        return LazyTensor(out, buf)
+    # --- GPU path -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _static_forward(self, s: int, t: int, max_seqlen: int | None = None) -> None:
+        """Forward over the static buffers padded to (s, t); writes pooled[:s]. Graph-safe."""
+        assert self.buffers is not None
+        # In a graph the longest sequence is unknown at capture: t bounds it.
+        b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal)
+        self.buffers.pooled[:s].copy_(self.forward(b))
+
+    def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
+             token_types: np.ndarray | None = None) -> LazyTensor:
+        """Launch one step (forward + pooling + copy to host) and return without waiting."""
+        if self.buffers is None:
+            return LazyTensor(self.forward(self.prepare(input_ids, lengths, skips, token_types)))
+        num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
+        key = self.graphs.key_for(num_seqs, num_tokens) if self.graphs is not None else None
+        s, t = key or (num_seqs, num_tokens)
+        self.buffers.fill(input_ids, lengths, skips, token_types, s, t)
+        if getattr(self.attn, "needs_plan", False):
+            cfg = self.spec.hf_config
+            heads = cfg["num_attention_heads"]
+            self.attn.plan(self.buffers.cu_seqlens_host, heads, cfg.get("num_key_value_heads", heads),
+                           cfg.get("head_dim") or cfg["hidden_size"] // heads, self.spec.causal)
+        if key is not None:
+            self.last_mode = self.graphs.run(key)
+        else:
+            self._static_forward(s, t, max_seqlen=int(lengths.max()))
+            self.last_mode = "eager"
+        out = self._result_buffers[self._next_result]
+        self._next_result ^= 1
+        return LazyTensor(self.buffers.pooled[:num_seqs], out)

@@ -102,6 +102,43 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
     """Pick a backend: 'auto' is FA2 varlen on CUDA in half precision, padded SDPA otherwise."""
     if name == "auto":
         name = "torch_flash" if device.type == "cuda" and dtype != torch.float32 else "sdpa"
+    if name.startswith("flashinfer_"):
+        if device.type != "cuda":
+            raise ValueError(f"attention backend {name} needs a CUDA device")
+        return FlashInferAttention(name.split("_", 1)[1], device, dtype)
     if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not available here; choose from {sorted(BACKENDS)}")
+        raise ValueError(f"attention backend {name!r} is not available here; choose from "
+                         f"{sorted(BACKENDS) + ['flashinfer_fa2', 'flashinfer_fa3']}")
     return BACKENDS[name]()
+
+
+class FlashInferAttention:
+    """FlashInfer's ragged prefill (`fa2` or `fa3` template). JIT-compiled on first use (21-66 s).
+
+    Planning is host work (it reads cu_seqlens on the CPU), so `plan()` runs once per step
+    before the forward, not per layer. Eager steps only for now: graph capture stays on the
+    PyTorch FA2 kernel, whose launch needs no host-side plan.
+    """
+
+    needs_padding = False
+    needs_plan = True
+
+    def __init__(self, backend: str, device: torch.device, dtype: torch.dtype, workspace_mb: int = 128) -> None:
+        import flashinfer  # optional dependency: pip install flashinfer-python
+
+        self.name = f"flashinfer_{backend}"
+        self.dtype = dtype
+        workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+        self._planned: tuple | None = None
+
+    def plan(self, cu_seqlens_host: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool) -> None:
+        key = (tuple(cu_seqlens_host.tolist()), num_heads, num_kv_heads, head_dim, causal)
+        if key == self._planned:
+            return
+        self.wrapper.plan(cu_seqlens_host, cu_seqlens_host, num_heads, num_kv_heads, head_dim,
+                          causal=causal, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._planned = key
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.wrapper.run(q, k, v)

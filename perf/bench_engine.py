@@ -1,0 +1,291 @@
+"""Engine-level benchmark (no server): pergola's engine vs Hugging Face transformers, same GPU.
+
+    python perf/bench_engine.py --models qwen3-0.6b minilm --out perf/out/engine.json
+
+For each model: batch-1 latency (sequential, distinct real-text inputs) with CUDA graphs and
+eagerly; throughput on 100 texts per call; the same through HF transformers (BF16, SDPA,
+padded batches of 32, what sentence-transformers runs); outputs checked against HF first
+(cosine); each attention backend timed alone per bucket; the bf16 matmul rate measured here
+gives the compute limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from inputs import TokenWindows  # noqa: E402
+
+from pergola.config import EngineConfig  # noqa: E402
+from pergola.engine import EncodeRequest, Engine  # noqa: E402
+from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
+from pergola.pooling import finish  # noqa: E402
+
+DEVICE = "cuda"  # --device cpu gives a quick dry run of the whole script on a laptop or CI box
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+LAT_LENGTHS = {"qwen3-0.6b": [128, 512, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
+TPUT_LENGTHS = {"qwen3-0.6b": [512, 1024, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
+QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny"}
+
+
+def percentiles(ms: list[float]) -> dict[str, float]:
+    a = np.asarray(ms)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": int(a.size)}
+
+
+def model_folder(name: str, workdir: Path) -> Path:
+    if name == "minilm":
+        from pergola.cli import default_model_folder
+
+        return default_model_folder()
+    from pergola.testing import make_qwen3_folder
+
+    out = workdir / name
+    if not (out / "model.safetensors").exists():
+        make_qwen3_folder(out, shape=QWEN3_SHAPES[name], variant="causal-last", seed=0, dtype="bfloat16")
+    return out
+
+
+# --- FLOPs and the compute limit ------------------------------------------------------------
+def flops_per_token(cfg: dict, seq_len: int, causal: bool) -> float:
+    """Forward FLOPs per token: dense matmuls + attention scores/values at this length."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or h // heads
+    inter = cfg["intermediate_size"]
+    mlp_mats = 3 if cfg.get("model_type") == "qwen3" else 2
+    dense = 2 * (h * (heads + 2 * kv) * d + heads * d * h + mlp_mats * h * inter)
+    keys = seq_len / 2 if causal else seq_len
+    attn = 2 * 2 * heads * d * keys
+    return float(layers * (dense + attn))
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """Measured bf16 matmul rate on random data (not zeros), the compute ceiling used here."""
+    if DEVICE != "cuda":
+        n = 1024
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync()
+    return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
+
+
+# --- pergola ---------------------------------------------------------------------------------
+def pergola_embed(engine: Engine, seqs: list[np.ndarray]) -> np.ndarray:
+    req = EncodeRequest(np.concatenate(seqs), np.array([len(s) for s in seqs], dtype=np.int32))
+    return finish(engine.encode([req])[0], 0, engine.spec.normalize)
+
+
+def time_latency(call, inputs: list, n: int, warmup: int = 3) -> dict:
+    for i in range(warmup):
+        call(inputs[i % len(inputs)])
+    ms = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        call(inputs[i % len(inputs)])
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(ms)
+
+
+def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        call(batch)
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        call(batch)
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds and reps >= 3:
+            break
+    tokens = sum(len(s) for s in batch) * reps
+    return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
+
+
+# --- Hugging Face transformers baseline -------------------------------------------------------
+class HFBaseline:
+    """AutoModel in BF16 with SDPA, padded batches of 32 (sentence-transformers' default)."""
+
+    def __init__(self, folder: Path, pooling: str, normalize: bool) -> None:
+        from transformers import AutoModel
+
+        self.model = AutoModel.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
+        self.model = self.model.to(DEVICE).eval()
+        self.pooling, self.normalize = pooling, normalize
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[np.ndarray], batch_size: int = 32) -> np.ndarray:
+        out = []
+        for i in range(0, len(seqs), batch_size):
+            chunk = seqs[i:i + batch_size]
+            n = max(len(s) for s in chunk)
+            ids = torch.zeros(len(chunk), n, dtype=torch.long)
+            mask = torch.zeros(len(chunk), n, dtype=torch.long)
+            for j, s in enumerate(chunk):  # right padding; last-token pooling reads each length
+                ids[j, :len(s)] = torch.from_numpy(s)
+                mask[j, :len(s)] = 1
+            ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+            if self.pooling == "last":
+                emb = hidden[torch.arange(len(chunk)), mask.sum(1) - 1]
+            elif self.pooling == "cls":
+                emb = hidden[:, 0]
+            else:
+                emb = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            if self.normalize:
+                emb = torch.nn.functional.normalize(emb, dim=-1)
+            out.append(emb.cpu().numpy())
+        return np.concatenate(out)
+
+
+# --- attention backends alone -----------------------------------------------------------------
+def time_attention_backends(cfg: dict, causal: bool, names: list[str]) -> list[dict]:
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rows = []
+    for num_seqs, length in [(1, 128), (1, 512), (1, 4096), (16, 128), (32, 512), (8, 2048)]:
+        lengths = [length] * num_seqs
+        t = num_seqs * length
+        q = torch.randn(t, heads, d, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(t, kv, d, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(t, kv, d, device=DEVICE, dtype=torch.bfloat16)
+        row = {"num_seqs": num_seqs, "seq_len": length}
+        ref = None
+        for name in names:
+            try:
+                t0 = time.perf_counter()
+                attn = make_backend(name, torch.device(DEVICE), torch.bfloat16)
+                meta = AttentionMetadata.build(lengths, torch.device(DEVICE), causal, padded=name == "sdpa")
+                if getattr(attn, "needs_plan", False):
+                    attn.plan(meta.cu_seqlens.cpu(), heads, kv, d, causal)
+                out = attn(q, k, v, meta)
+                sync()
+                setup_s = time.perf_counter() - t0
+                ref = out if ref is None else ref
+                err = float((out.float() - ref.float()).abs().max())
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    attn(q, k, v, meta)
+                sync()
+                row[name] = {"us": (time.perf_counter() - t0) / 20 * 1e6, "max_abs_diff": err, "setup_s": setup_s}
+            except Exception as e:  # noqa: BLE001 - a backend missing here is a result too
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        rows.append(row)
+    return rows
+
+
+def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return float((a * b).sum(1).min())
+
+
+def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops: float) -> dict:
+    folder = model_folder(name, workdir)
+    spec = load_model_spec(folder)
+    windows = TokenWindows(spec.tokenizer_file)
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16"))
+    sync()
+    load_s = time.perf_counter() - t0
+    eager = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", enforce_eager=True))
+    hf = HFBaseline(folder, spec.pooling, spec.normalize)
+    res: dict = {"model": name, "folder": str(folder), "engine_load_s": load_s, "latency": {}, "throughput": {}}
+    n = args.latency_n
+    for length in LAT_LENGTHS[name]:
+        inputs = [[s] for s in windows.ids(length, 20, seed=length)]
+        check = cosine_min(pergola_embed(engine, inputs[0]), hf(inputs[0]))
+        res["latency"][length] = {
+            "pergola_graph": time_latency(lambda x: pergola_embed(engine, x), inputs, n),
+            "pergola_eager": time_latency(lambda x: pergola_embed(eager, x), inputs, n),
+            "hf": time_latency(hf, inputs, max(n // 4, 10)),
+            "min_cosine_vs_hf": check,
+        }
+        lat = res["latency"][length]
+        print(f"{name} batch-1 {length:5d} tok: graph p50 {lat['pergola_graph']['p50']:.2f} ms, eager "
+              f"{lat['pergola_eager']['p50']:.2f} ms, HF {lat['hf']['p50']:.2f} ms, cos {check:.5f}", flush=True)
+    for length in TPUT_LENGTHS[name]:
+        batch = windows.ids(length, 100, seed=1000 + length)
+        check = cosine_min(pergola_embed(engine, batch), hf(batch))
+        p = time_throughput(lambda x: pergola_embed(engine, x), batch)
+        h = time_throughput(hf, batch)
+        limit = limit_tflops * 1e12 / flops_per_token(spec.hf_config, length, spec.causal)
+        res["throughput"][length] = {"pergola": p, "hf": h, "min_cosine_vs_hf": check,
+                                     "compute_limit_tokens_per_s": limit,
+                                     "fraction_of_limit": p["tokens_per_s"] / limit,
+                                     "ratio_vs_hf": p["tokens_per_s"] / h["tokens_per_s"]}
+        print(f"{name} 100 x {length:5d} tok: pergola {p['embeddings_per_s']:.0f} emb/s "
+              f"({p['tokens_per_s'] / 1e3:.0f}k tok/s, {p['tokens_per_s'] / limit:.0%} of limit), "
+              f"HF {h['embeddings_per_s']:.0f} emb/s, cos {check:.5f}", flush=True)
+    graphs = engine.runner.graphs
+    res["graph_stats"] = {} if graphs is None else vars(graphs.stats) | {"keys": sorted(graphs.stats.keys)}
+    res["attention_backends"] = time_attention_backends(spec.hf_config, spec.causal, args.backends)
+    del engine, eager, hf
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "minilm"], choices=sorted(LAT_LENGTHS))
+    p.add_argument("--out", default="perf/out/engine.json")
+    p.add_argument("--workdir", default=None, help="where generated model folders go")
+    p.add_argument("--latency-n", type=int, default=100)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the script")
+    p.add_argument("--backends", nargs="+", default=["torch_flash", "sdpa", "flashinfer_fa2", "flashinfer_fa3"])
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE != "cuda":  # dry run: one length per model
+        for table in (LAT_LENGTHS, TPUT_LENGTHS):
+            for k in table:
+                table[k] = table[k][:1]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-bench-"))
+    limit = matmul_tflops()
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    print(f"bf16 matmul: {limit:.0f} TFLOP/s on {gpu}", flush=True)
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+        "command": " ".join(sys.argv), "matmul_tflops": limit,
+        "models": [bench_model(m, workdir, args, limit) for m in args.models],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=str))
+    for m in results["models"]:
+        for row in m["attention_backends"]:
+            cells = ", ".join(f"{k} {v['us']:.0f} us" if "us" in v else f"{k} n/a"
+                              for k, v in row.items() if isinstance(v, dict))
+            print(f"{m['model']} attention {row['num_seqs']}x{row['seq_len']}: {cells}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Whole-model CUDA graphs keyed by (sequence-count bucket, token-count bucket), captured lazily.
+
+A key's first use runs eagerly on the padded static buffers (warm-up: kernel selection,
+workspaces), its second use captures, later uses replay: one driver call for the whole forward,
+so small batches are no longer bound by Python and kernel launches. Start-up captures nothing.
+Above `max_graph_tokens` (the crossover where GPU time dwarfs launch cost) steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("pergola.graphs")
+
+
+def token_buckets(max_tokens: int, fine_step: int = 64, coarse_from: int = 1024, coarse_step: int = 256) -> list[int]:
+    """Token counts padded to multiples of 64, then of 256 above `coarse_from`: the one bucket list."""
+    fine = list(range(fine_step, min(coarse_from, max_tokens) + 1, fine_step))
+    coarse = list(range(coarse_from + coarse_step, max_tokens + 1, coarse_step))
+    buckets = fine + coarse
+    if not buckets or buckets[-1] < max_tokens:
+        buckets.append(max_tokens)
+    return buckets
+
+
+def seq_buckets(max_seqs: int) -> list[int]:
+    """Powers of two up to max_seqs (sequence counts include the padding sequence)."""
+    out, n = [], 1
+    while n < max_seqs:
+        out.append(n)
+        n *= 2
+    out.append(max_seqs)
+    return out
+
+
+def round_up(value: int, buckets: list[int]) -> int | None:
+    i = bisect.bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass
+class GraphStats:
+    eager_warmups: int = 0
+    captures: int = 0
+    replays: int = 0
+    eager_large: int = 0  # steps above the crossover
+    keys: set[tuple[int, int]] = field(default_factory=set)
+
+
+class GraphCache:
+    """Lazy capture + replay of `forward()` over static buffers that the runner fills in place."""
+
+    def __init__(self, forward: Callable[[int, int], None], max_graph_tokens: int, max_seqs: int) -> None:
+        self.forward = forward  # forward(num_seqs_bucket, num_tokens_bucket): reads/writes static buffers
+        self.tokens = token_buckets(max_graph_tokens)
+        self.seqs = seq_buckets(max_seqs)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.seen: set[tuple[int, int]] = set()
+        self.stats = GraphStats()
+
+    def key_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """Bucket key, or None when the step should run eagerly (over the crossover)."""
+        t = round_up(num_tokens, self.tokens)
+        # One extra sequence holds the padding tokens when the token count is rounded up.
+        s = round_up(num_seqs + (t is not None and t > num_tokens), self.seqs)
+        if t is None or s is None:
+            return None
+        return s, t
+
+    def run(self, key: tuple[int, int]) -> str:
+        """Run the step for `key` (inputs already in the static buffers); returns what it did."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.stats.replays += 1
+            return "replay"
+        if key not in self.seen:
+            self.seen.add(key)
+            self.forward(*key)
+            self.stats.eager_warmups += 1
+            return "warmup"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.forward(*key)
+        # Capture records without executing: replay once so this step's outputs are real.
+        graph.replay()
+        self.graphs[key] = graph
+        self.stats.captures += 1
+        self.stats.keys.add(key)
+        log.info("captured CUDA graph for %d seqs x %d tokens (%d graphs)", key[0], key[1], len(self.graphs))
+        return "capture"

