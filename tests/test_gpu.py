@@ -110,3 +110,29 @@ def test_qwen3_0_6b_bidirectional_mean_matches_transformers(qwen3_folders):
     ref = _transformers_mean(folder, TEXTS, bidirectional=True)
     engine = Engine(EngineConfig(model_dir=str(folder), device="cuda"))
     assert cosine_rows(embed_prompt(engine, TEXTS, None), ref).min() >= 0.999
+
+
+# --- fused kernels against their PyTorch references ------------------------------------------
+def test_fused_kernels_match_references():
+    from pergola.layers import fused
+
+    torch.manual_seed(0)
+    t, h, heads, kv, d, inter = 300, 1024, 16, 8, 128, 3072
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, r, w = torch.randn(t, h, **bf), torch.randn(t, h, **bf), torch.rand(h, **bf) + 0.5
+    for residual in (None, r):
+        got, got_res = fused.add_rms_norm(x, residual, w, 1e-6)
+        ref, ref_res = fused.add_rms_norm_ref(x, residual, w, 1e-6)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got_res, ref_res, atol=0, rtol=0)
+    qkv = torch.randn(t, (heads + 2 * kv) * d, **bf)
+    qw, kw = torch.rand(d, **bf) + 0.5, torch.rand(d, **bf) + 0.5
+    angles = torch.arange(4096, device="cuda")[:, None] * (1e-4 ** (torch.arange(0, d, 2, device="cuda") / d))
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (t,), device="cuda")
+    ref = fused.qk_norm_rope_ref(qkv.clone(), qw, kw, cos, sin, pos, heads, kv, d, 1e-6)
+    got = fused.qk_norm_rope(qkv.clone(), qw, kw, cos, sin, pos, heads, kv, d, 1e-6)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+    g = torch.randn(t, 2 * inter, **bf)
+    torch.testing.assert_close(fused.silu_and_mul(g), fused.silu_and_mul_ref(g), atol=2e-2, rtol=2e-2)

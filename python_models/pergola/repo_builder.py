@@ -19,7 +19,8 @@ from string import Template
 from pergola.config import EngineConfig
 from pergola.hf_folder import load_model_spec
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = Path(__file__).resolve().parent
+PROJECT_ROOT = PACKAGE_DIR.parents[1]
 TEMPLATES = PROJECT_ROOT / "ensemble_configs"
 ADAPTERS = PROJECT_ROOT / "python_models"
 GENERIC_FOLDER_NAMES = {"model", "hf", "weights", "snapshot"}
@@ -53,14 +54,23 @@ def _render(template: str, **values: object) -> str:
     return Template((TEMPLATES / template).read_text()).substitute({k: str(v) for k, v in values.items()})
 
 
+def _link(link: Path, target: Path) -> None:
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target, target_is_directory=True)
+
+
 def _write_version(model_dir: Path, adapter: str, hf_folder: Path, version: int = 1) -> None:
+    """NAME/<version>/: the adapter, `hf` -> the model folder, `pergola` -> this engine package.
+
+    The Python stub runs its interpreter isolated (PYTHONPATH is ignored) but puts the version
+    folder on sys.path, so the link makes the engine importable whatever venv runs the stub.
+    """
     vdir = model_dir / str(version)
     vdir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(ADAPTERS / adapter / "model.py", vdir / "model.py")
-    link = vdir / "hf"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(hf_folder, target_is_directory=True)
+    _link(vdir / "hf", hf_folder)
+    _link(vdir / "pergola", PACKAGE_DIR)
 
 
 def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pergola.hf_folder import ModelFolderError
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.fused import add_rms_norm, qk_norm_rope, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim] -> [T, dim]
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,16 +49,6 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(freqs.cos())
         self.sin.copy_(freqs.sin())
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T] -> cos, sin [T, 1, D/2] (broadcast over heads)
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated in half-split (NeoX) layout, as HF's rotate_half; cos/sin [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
@@ -80,17 +67,17 @@ class Qwen3Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        x: torch.Tensor,  # [T, hidden], already normalised
+        positions: torch.Tensor,  # [T]
+        rope: "RotaryEmbedding",
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)  # [T, Hq, D]
-        k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]; backends handle GQA
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
+        q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
+                               self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
         return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size))
 
 
@@ -102,8 +89,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(inter, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, hidden]
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -116,10 +102,19 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend
-    ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rope: "RotaryEmbedding",
+        meta: AttentionMetadata, attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream), both [T, hidden].
+
+        The residual add is fused into the next RMSNorm (the stream is x + residual), which is
+        the same sum HF computes, just one kernel later.
+        """
+        h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(h, positions, rope, meta, attn)
+        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps)
+        return self.mlp(h), residual
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -172,8 +167,8 @@ class Qwen3Model(nn.Module):
     ) -> torch.Tensor:
         if meta.causal != self.causal:
             raise ValueError(f"attention metadata says causal={meta.causal}, the model was built causal={self.causal}")
-        cos, sin = self.rotary_emb(positions)  # [T, 1, D/2] each, gathered once for all layers
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary_emb, meta, attn)
+        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
