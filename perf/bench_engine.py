@@ -130,12 +130,19 @@ def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2
 class HFBaseline:
     """AutoModel in BF16 with SDPA, padded batches of 32 (sentence-transformers' default)."""
 
-    def __init__(self, folder: Path, pooling: str, normalize: bool) -> None:
+    def __init__(self, folder: Path, pooling: str, normalize: bool, device: str | None = None) -> None:
+        from tokenizers import Tokenizer
         from transformers import AutoModel
 
+        self.device = device or DEVICE
         self.model = AutoModel.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
-        self.model = self.model.to(DEVICE).eval()
+        self.model = self.model.to(self.device).eval()
         self.pooling, self.normalize = pooling, normalize
+        self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+
+    def encode_texts(self, texts: list[str]) -> np.ndarray:
+        """Tokenize (HF tokenizers, as sentence-transformers does) and embed."""
+        return self([np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)])
 
     @torch.inference_mode()
     def __call__(self, seqs: list[np.ndarray], batch_size: int = 32) -> np.ndarray:
@@ -148,7 +155,7 @@ class HFBaseline:
             for j, s in enumerate(chunk):  # right padding; last-token pooling reads each length
                 ids[j, :len(s)] = torch.from_numpy(s)
                 mask[j, :len(s)] = 1
-            ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+            ids, mask = ids.to(self.device), mask.to(self.device)
             hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
             if self.pooling == "last":
                 emb = hidden[torch.arange(len(chunk)), mask.sum(1) - 1]
@@ -199,6 +206,19 @@ def time_attention_backends(cfg: dict, causal: bool, names: list[str]) -> list[d
     return rows
 
 
+def profile_step(engine: Engine, seqs: list[np.ndarray], steps: int = 10) -> str:
+    """Top kernels of `steps` calls (graph replays once warm): where the GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        pergola_embed(engine, seqs)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            pergola_embed(engine, seqs)
+        sync()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
 def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
     a = a / np.linalg.norm(a, axis=1, keepdims=True)
     b = b / np.linalg.norm(b, axis=1, keepdims=True)
@@ -242,6 +262,11 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
         print(f"{name} 100 x {length:5d} tok: pergola {p['embeddings_per_s']:.0f} emb/s "
               f"({p['tokens_per_s'] / 1e3:.0f}k tok/s, {p['tokens_per_s'] / limit:.0%} of limit), "
               f"HF {h['embeddings_per_s']:.0f} emb/s, cos {check:.5f}", flush=True)
+    if args.profile and DEVICE == "cuda":
+        for length in (128, 512):
+            table = profile_step(engine, windows.ids(length, 1, seed=3))
+            res[f"profile_batch1_{length}"] = table
+            print(f"{name} profile, batch 1 x {length} tokens, 10 steps:\n{table}", flush=True)
     graphs = engine.runner.graphs
     res["graph_stats"] = {} if graphs is None else vars(graphs.stats) | {"keys": sorted(graphs.stats.keys)}
     res["attention_backends"] = time_attention_backends(spec.hf_config, spec.causal, args.backends)
@@ -257,6 +282,7 @@ def main() -> None:
     p.add_argument("--out", default="perf/out/engine.json")
     p.add_argument("--workdir", default=None, help="where generated model folders go")
     p.add_argument("--latency-n", type=int, default=100)
+    p.add_argument("--profile", action="store_true", help="print the top kernels of batch-1 steps")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the script")
     p.add_argument("--backends", nargs="+", default=["torch_flash", "sdpa", "flashinfer_fa2", "flashinfer_fa3"])
     args = p.parse_args()

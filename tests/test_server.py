@@ -81,7 +81,9 @@ def test_named_model_and_default_alias_agree(server):
     from pergola_client import PergolaClient
 
     with PergolaClient(server.grpc_url) as c:
-        np.testing.assert_array_equal(c.embed(TEXTS[:3], model="minilm"), c.embed(TEXTS[:3], model="embed"))
+        # Same model: equal up to the order of float additions (GPU pooling sums with atomics).
+        np.testing.assert_allclose(c.embed(TEXTS[:3], model="minilm"), c.embed(TEXTS[:3], model="embed"),
+                                   atol=1e-6, rtol=0)
 
 
 def test_pretokenized_encoder_reads_known_values(server, st_model, reference):

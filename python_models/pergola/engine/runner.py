@@ -125,14 +125,17 @@ class ModelRunner:
         self.last_mode = "eager"  # what the last step did: eager / warmup / capture / replay
         if device.type == "cuda":
             max_seqs = cfg.max_batch_seqs + 1  # + the padding sequence
-            max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
-            self.buffers = StaticBuffers(max_tokens, max_seqs, spec.hidden_size, device)
             # Two pinned result buffers: step N+1's result lands in one while step N's is read.
             self._result_buffers = [torch.empty(max_seqs, spec.hidden_size, pin_memory=True) for _ in range(2)]
-            # Backends that plan on the host each step (FlashInfer) run eagerly for now.
-            graph_safe = not getattr(self.attn, "needs_plan", False)
-            if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
-                self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens), max_seqs)
+            # Padded backends (SDPA: FP32 on a GPU) build their own index tensors per step.
+            if not getattr(self.attn, "needs_padding", False):
+                max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
+                self.buffers = StaticBuffers(max_tokens, max_seqs, spec.hidden_size, device)
+                # Backends that plan on the host each step (FlashInfer) run eagerly for now.
+                graph_safe = not getattr(self.attn, "needs_plan", False)
+                if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
+                    self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
+                                             max_seqs)
 
     # --- CPU path -------------------------------------------------------------------------
     def prepare(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
@@ -170,7 +173,7 @@ class ModelRunner:
              token_types: np.ndarray | None = None) -> LazyTensor:
         """Launch one step (forward + pooling + copy to host) and return without waiting."""
         if self.buffers is None:
-            return LazyTensor(self.forward(self.prepare(input_ids, lengths, skips, token_types)))
+            return self._lazy(self.forward(self.prepare(input_ids, lengths, skips, token_types)))
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
         key = self.graphs.key_for(num_seqs, num_tokens) if self.graphs is not None else None
         s, t = key or (num_seqs, num_tokens)
@@ -185,6 +188,11 @@ class ModelRunner:
         else:
             self._static_forward(s, t, max_seqlen=int(lengths.max()))
             self.last_mode = "eager"
-        out = self._result_buffers[self._next_result]
+        return self._lazy(self.buffers.pooled[:num_seqs])
+
+    def _lazy(self, pooled: torch.Tensor) -> LazyTensor:
+        if pooled.device.type == "cpu":
+            return LazyTensor(pooled)
+        host = self._result_buffers[self._next_result]
         self._next_result ^= 1
-        return LazyTensor(self.buffers.pooled[:num_seqs], out)
+        return LazyTensor(pooled, host)

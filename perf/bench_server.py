@@ -1,0 +1,245 @@
+"""The seed article's suites through a running tritonserver with real gRPC clients.
+
+    python perf/bench_server.py --model qwen3-0.6b --suites latency throughput concurrency \
+        --out perf/out/server.json
+
+Starts pergola's tritonserver on free ports with the model as `embed`, checks its outputs
+against Hugging Face transformers on the same weights, then runs:
+  latency      pre-tokenized, batch 1, sequential, 128 / 512 / 4096 tokens   -> NAME_encoder
+  throughput   batch 100, four client processes, 512 / 1024 / 4096 tokens    -> NAME_encoder
+  concurrency  text, batch 1, 512 tokens, 1 / 2 / 4 / 8 / 16 in flight        -> embed ensemble
+               (tokenization and the network hop count)
+  perf_analyzer  the latency suite again through perf_analyzer (--input-data JSON), if present
+The baseline, measured in the same run on the same GPU: HF transformers in-process (BF16, SDPA,
+padded batches of 32), which is what sentence-transformers runs; for the concurrency suite it
+tokenizes too. Scoring (the reranker suite) waits for the rerank models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import HFBaseline, cosine_min, model_folder, percentiles, time_latency  # noqa: E402
+from inputs import TokenWindows  # noqa: E402
+
+from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
+from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+
+NAME = "bench"
+
+
+def grpc_client(url: str):
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient, grpcclient.InferenceServerClient(url)
+
+
+def infer_tokens(client, mod, seqs: list[np.ndarray]) -> np.ndarray:
+    ids = np.concatenate(seqs)[None, :]
+    lengths = np.array([[len(s) for s in seqs]], dtype=np.int32)
+    a = mod.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+    a.set_data_from_numpy(ids)
+    b = mod.InferInput("LENGTHS", list(lengths.shape), "INT32")
+    b.set_data_from_numpy(lengths)
+    return client.infer(f"{NAME}_encoder", [a, b]).as_numpy("EMBEDDING")
+
+
+def infer_text(client, mod, texts: list[str]) -> np.ndarray:
+    t = mod.InferInput("TEXT", [len(texts)], "BYTES")
+    t.set_data_from_numpy(np.array([x.encode() for x in texts], dtype=object))
+    return client.infer("embed", [t]).as_numpy("EMBEDDING")
+
+
+# --- throughput: four client processes, batch 100 -------------------------------------------
+def _throughput_worker(url: str, batches: list[list[np.ndarray]], start_at: float, q: mp.Queue) -> None:
+    mod, client = grpc_client(url)
+    infer_tokens(client, mod, batches[0])  # connection warm-up
+    while time.time() < start_at:
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    for batch in batches:
+        infer_tokens(client, mod, batch)
+    q.put((len(batches), time.perf_counter() - t0))
+
+
+def run_throughput(url: str, windows: TokenWindows, length: int, procs: int = 4, batch: int = 100,
+                   requests_per_proc: int = 4) -> dict:
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    start_at = time.time() + 3.0
+    workers = []
+    for p in range(procs):
+        batches = [windows.ids(length, batch, seed=10_000 * p + i) for i in range(requests_per_proc)]
+        w = ctx.Process(target=_throughput_worker, args=(url, batches, start_at, q))
+        w.start()
+        workers.append(w)
+    results = [q.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join()
+    wall = max(r[1] for r in results)
+    n = sum(r[0] for r in results) * batch
+    return {"embeddings_per_s": n / wall, "tokens_per_s": n * length / wall, "processes": procs,
+            "batch": batch, "requests": sum(r[0] for r in results)}
+
+
+# --- concurrency: text, batch 1, N in flight (asyncio gRPC) ------------------------------------
+async def _concurrency(url: str, texts: list[str], concurrency: int, total: int) -> list[float]:
+    import tritonclient.grpc.aio as aio
+
+    client = aio.InferenceServerClient(url)
+    latencies: list[float] = []
+    counter = iter(range(total))
+
+    async def one_stream() -> None:
+        for i in counter:
+            t = aio.InferInput("TEXT", [1], "BYTES")
+            t.set_data_from_numpy(np.array([texts[i % len(texts)].encode()], dtype=object))
+            t0 = time.perf_counter()
+            await client.infer("embed", [t])
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    await asyncio.gather(*(one_stream() for _ in range(concurrency)))
+    await client.close()
+    return latencies
+
+
+def run_concurrency(url: str, texts: list[str], levels: list[int], per_level: int) -> dict:
+    out = {}
+    for c in levels:
+        asyncio.run(_concurrency(url, texts, c, 2 * c))  # warm-up (graph capture of the buckets)
+        t0 = time.perf_counter()
+        lat = asyncio.run(_concurrency(url, texts, c, per_level))
+        wall = time.perf_counter() - t0
+        out[c] = percentiles(lat) | {"requests_per_s": len(lat) / wall}
+        print(f"  concurrency {c:2d}: p50 {out[c]['p50']:.2f} ms, p99 {out[c]['p99']:.2f} ms, "
+              f"{out[c]['requests_per_s']:.0f} req/s", flush=True)
+    return out
+
+
+# --- perf_analyzer --------------------------------------------------------------------------
+def run_perf_analyzer(url: str, windows: TokenWindows, length: int, workdir: Path) -> dict | None:
+    exe = shutil.which("perf_analyzer")
+    if exe is None:
+        return None
+    seqs = windows.ids(length, 16, seed=77)
+    data = {"data": [{"INPUT_IDS": {"content": s.tolist(), "shape": [1, len(s)]},
+                      "LENGTHS": {"content": [len(s)], "shape": [1, 1]}} for s in seqs]}
+    data_file = workdir / f"pa_{length}.json"
+    data_file.write_text(json.dumps(data))
+    csv = workdir / f"pa_{length}.csv"
+    cmd = [exe, "-m", f"{NAME}_encoder", "-u", url, "-i", "grpc", "--input-data", str(data_file),
+           "--concurrency-range", "1", "--measurement-interval", "3000", "--percentile", "50", "-f", str(csv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        return {"error": proc.stdout[-800:] + proc.stderr[-800:], "command": " ".join(cmd)}
+    header, row = csv.read_text().splitlines()[:2]
+    fields = dict(zip(header.split(","), row.split(",")))
+    us = {k: float(v) for k, v in fields.items() if k.startswith("p") and k.endswith("latency")}
+    return {"command": " ".join(cmd), "inferences_per_s": float(fields["Inferences/Second"]),
+            "latency_ms": {k.split()[0]: v / 1e3 for k, v in us.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "minilm", "qwen3-tiny"])
+    p.add_argument("--suites", nargs="+", default=["latency", "throughput", "concurrency", "perf_analyzer"])
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--latency-n", type=int, default=100)
+    p.add_argument("--concurrency-n", type=int, default=200)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default="perf/out/server.json")
+    args = p.parse_args()
+    import bench_engine
+
+    bench_engine.DEVICE = "cuda" if args.device == "gpu" else "cpu"
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    folder = model_folder(args.model, workdir)
+    spec = load_model_spec(folder)
+    windows = TokenWindows(spec.tokenizer_file)
+    quick = args.device == "cpu"
+    lat_lengths = [128] if quick else ([128, 512, 4096] if args.model.startswith("qwen3") else [128, 256])
+    tput_lengths = [128] if quick else ([512, 1024, 4096] if args.model.startswith("qwen3") else [128, 256])
+    conc_length = 128 if quick or args.model == "minilm" else 512
+
+    repo = build_repository(workdir / "repo", [entry_from_folder(folder, NAME)], gpu=args.device == "gpu")
+    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    t0 = time.perf_counter()
+    server = start(opts, log_path=workdir / "tritonserver.log")
+    try:
+        wait_ready(opts.http_port, server, timeout=300)
+        ready_s = time.perf_counter() - t0
+        print(f"server ready in {ready_s:.1f} s ({args.model}, {args.device})", flush=True)
+        url = f"127.0.0.1:{opts.grpc_port}"
+        mod, client = grpc_client(url)
+        hf = None if args.no_baseline else HFBaseline(folder, spec.pooling, spec.normalize,
+                                                      device="cuda" if args.device == "gpu" else "cpu")
+        res: dict = {"model": args.model, "device": args.device, "server_ready_s": ready_s,
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
+        check = windows.ids(512 if not quick else 128, 8, seed=5)
+        if hf is not None:
+            res["min_cosine_vs_hf"] = cosine_min(infer_tokens(client, mod, check), hf(check))
+            print(f"check vs HF transformers: min cosine {res['min_cosine_vs_hf']:.5f}", flush=True)
+        if "latency" in args.suites:
+            res["latency"] = {}
+            for length in lat_lengths:
+                inputs = [[s] for s in windows.ids(length, 20, seed=length)]
+                row = {"pergola": time_latency(lambda x: infer_tokens(client, mod, x), inputs, args.latency_n)}
+                if hf is not None:
+                    row["hf"] = time_latency(hf, inputs, max(args.latency_n // 4, 10))
+                res["latency"][length] = row
+                print(f"  latency {length:5d} tok: pergola p50 {row['pergola']['p50']:.2f} p99 "
+                      f"{row['pergola']['p99']:.2f} ms" + (f", HF p50 {row['hf']['p50']:.2f} ms" if hf else ""),
+                      flush=True)
+        if "throughput" in args.suites:
+            res["throughput"] = {}
+            for length in tput_lengths:
+                row = {"pergola": run_throughput(url, windows, length, requests_per_proc=2 if quick else 4)}
+                if hf is not None:
+                    from bench_engine import time_throughput
+                    row["hf"] = time_throughput(hf, windows.ids(length, 100, seed=9), min_seconds=1.0)
+                res["throughput"][length] = row
+                print(f"  throughput 100 x {length} tok, 4 procs: pergola "
+                      f"{row['pergola']['embeddings_per_s']:.0f} emb/s"
+                      + (f", HF {row['hf']['embeddings_per_s']:.0f} emb/s" if hf else ""), flush=True)
+        if "concurrency" in args.suites:
+            texts = windows.texts(conc_length, 64, seed=3)
+            res["concurrency"] = {"length": conc_length, "pergola": run_concurrency(
+                url, texts, [1, 2] if quick else [1, 2, 4, 8, 16], 20 if quick else args.concurrency_n)}
+            if hf is not None:
+                st_like = lambda batch: hf.encode_texts(batch)  # noqa: E731 - tokenize + forward, batch 1
+                res["concurrency"]["hf_sequential"] = time_latency(st_like, [[t] for t in texts], 30)
+        if "perf_analyzer" in args.suites:
+            res["perf_analyzer"] = {str(n): run_perf_analyzer(url, windows, n, workdir) for n in lat_lengths}
+            print(f"  perf_analyzer: {json.dumps(res['perf_analyzer'])[:600]}", flush=True)
+        stats = client.get_inference_statistics(f"{NAME}_encoder", as_json=True)
+        res["triton_encoder_stats"] = stats.get("model_stats", [{}])[0].get("batch_stats", [])
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
