@@ -234,6 +234,10 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     sync()
     load_s = time.perf_counter() - t0
     eager = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", enforce_eager=True))
+    alt = None  # the same engine with another kernel for big eager steps, if asked
+    if args.eager_attention_backend != "auto":
+        alt = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16",
+                                  eager_attention_backend=args.eager_attention_backend))
     hf = HFBaseline(folder, spec.pooling, spec.normalize)
     res: dict = {"model": name, "folder": str(folder), "engine_load_s": load_s, "latency": {}, "throughput": {}}
     n = args.latency_n
@@ -255,7 +259,14 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
         p = time_throughput(lambda x: pergola_embed(engine, x), batch)
         h = time_throughput(hf, batch)
         limit = limit_tflops * 1e12 / flops_per_token(spec.hf_config, length, spec.causal)
+        if alt is not None:
+            cos_alt = cosine_min(pergola_embed(alt, batch), hf(batch))
+            p_alt = time_throughput(lambda x: pergola_embed(alt, x), batch) | {"min_cosine_vs_hf": cos_alt}
+            print(f"{name} 100 x {length:5d} tok, eager attention {args.eager_attention_backend}: "
+                  f"{p_alt['embeddings_per_s']:.0f} emb/s ({p_alt['tokens_per_s'] / 1e3:.0f}k tok/s), "
+                  f"cos {cos_alt:.5f}", flush=True)
         res["throughput"][length] = {"pergola": p, "hf": h, "min_cosine_vs_hf": check,
+                                     f"pergola_eager_{args.eager_attention_backend}": None if alt is None else p_alt,
                                      "compute_limit_tokens_per_s": limit,
                                      "fraction_of_limit": p["tokens_per_s"] / limit,
                                      "ratio_vs_hf": p["tokens_per_s"] / h["tokens_per_s"]}
@@ -270,7 +281,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     graphs = engine.runner.graphs
     res["graph_stats"] = {} if graphs is None else vars(graphs.stats) | {"keys": sorted(graphs.stats.keys)}
     res["attention_backends"] = time_attention_backends(spec.hf_config, spec.causal, args.backends)
-    del engine, eager, hf
+    del engine, eager, hf, alt
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -282,6 +293,8 @@ def main() -> None:
     p.add_argument("--out", default="perf/out/engine.json")
     p.add_argument("--workdir", default=None, help="where generated model folders go")
     p.add_argument("--latency-n", type=int, default=100)
+    p.add_argument("--eager-attention-backend", default="auto",
+                   help="also time throughput with this backend for steps above the graph crossover")
     p.add_argument("--profile", action="store_true", help="print the top kernels of batch-1 steps")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the script")
     p.add_argument("--backends", nargs="+", default=["torch_flash", "sdpa", "flashinfer_fa2", "flashinfer_fa3"])

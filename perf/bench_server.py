@@ -65,32 +65,31 @@ def infer_text(client, mod, texts: list[str]) -> np.ndarray:
 
 
 # --- throughput: four client processes, batch 100 -------------------------------------------
-def _throughput_worker(url: str, batches: list[list[np.ndarray]], start_at: float, q: mp.Queue) -> None:
+def _throughput_worker(url: str, batches: list[list[np.ndarray]], barrier, q: mp.Queue) -> None:
     mod, client = grpc_client(url)
     infer_tokens(client, mod, batches[0])  # connection warm-up
-    while time.time() < start_at:
-        time.sleep(0.001)
-    t0 = time.perf_counter()
+    barrier.wait()  # all processes start together, after their (slow) imports
+    t0 = time.time()
     for batch in batches:
         infer_tokens(client, mod, batch)
-    q.put((len(batches), time.perf_counter() - t0))
+    q.put((len(batches), t0, time.time()))
 
 
 def run_throughput(url: str, windows: TokenWindows, length: int, procs: int = 4, batch: int = 100,
                    requests_per_proc: int = 4) -> dict:
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    start_at = time.time() + 3.0
+    barrier = ctx.Barrier(procs)
     workers = []
     for p in range(procs):
         batches = [windows.ids(length, batch, seed=10_000 * p + i) for i in range(requests_per_proc)]
-        w = ctx.Process(target=_throughput_worker, args=(url, batches, start_at, q))
+        w = ctx.Process(target=_throughput_worker, args=(url, batches, barrier, q))
         w.start()
         workers.append(w)
     results = [q.get(timeout=600) for _ in workers]
     for w in workers:
         w.join()
-    wall = max(r[1] for r in results)
+    wall = max(r[2] for r in results) - min(r[1] for r in results)  # first start to last finish
     n = sum(r[0] for r in results) * batch
     return {"embeddings_per_s": n / wall, "tokens_per_s": n * length / wall, "processes": procs,
             "batch": batch, "requests": sum(r[0] for r in results)}
@@ -136,13 +135,14 @@ def run_perf_analyzer(url: str, windows: TokenWindows, length: int, workdir: Pat
     if exe is None:
         return None
     seqs = windows.ids(length, 16, seed=77)
-    data = {"data": [{"INPUT_IDS": {"content": s.tolist(), "shape": [1, len(s)]},
-                      "LENGTHS": {"content": [len(s)], "shape": [1, 1]}} for s in seqs]}
+    # Shapes without the batch dimension: perf_analyzer adds it (-b 1).
+    data = {"data": [{"INPUT_IDS": {"content": s.tolist(), "shape": [len(s)]},
+                      "LENGTHS": {"content": [len(s)], "shape": [1]}} for s in seqs]}
     data_file = workdir / f"pa_{length}.json"
     data_file.write_text(json.dumps(data))
     csv = workdir / f"pa_{length}.csv"
-    cmd = [exe, "-m", f"{NAME}_encoder", "-u", url, "-i", "grpc", "--input-data", str(data_file),
-           "--concurrency-range", "1", "--measurement-interval", "3000", "--percentile", "50", "-f", str(csv)]
+    cmd = [exe, "-m", f"{NAME}_encoder", "-u", url, "-i", "grpc", "-b", "1", "--input-data", str(data_file),
+           "--concurrency-range", "1", "--measurement-interval", "3000", "--stability-percentage", "25", "--percentile", "50", "-f", str(csv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         return {"error": proc.stdout[-800:] + proc.stderr[-800:], "command": " ".join(cmd)}
@@ -161,6 +161,7 @@ def main() -> None:
     p.add_argument("--latency-n", type=int, default=100)
     p.add_argument("--concurrency-n", type=int, default=200)
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--eager-attention-backend", default="auto", help="e.g. flashinfer_fa2 for big steps")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/server.json")
     args = p.parse_args()
@@ -177,7 +178,8 @@ def main() -> None:
     tput_lengths = [128] if quick else ([512, 1024, 4096] if args.model.startswith("qwen3") else [128, 256])
     conc_length = 128 if quick or args.model == "minilm" else 512
 
-    repo = build_repository(workdir / "repo", [entry_from_folder(folder, NAME)], gpu=args.device == "gpu")
+    entry = entry_from_folder(folder, NAME, eager_attention_backend=args.eager_attention_backend)
+    repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     t0 = time.perf_counter()
     server = start(opts, log_path=workdir / "tritonserver.log")
@@ -190,6 +192,7 @@ def main() -> None:
         hf = None if args.no_baseline else HFBaseline(folder, spec.pooling, spec.normalize,
                                                       device="cuda" if args.device == "gpu" else "cpu")
         res: dict = {"model": args.model, "device": args.device, "server_ready_s": ready_s,
+                     "eager_attention_backend": args.eager_attention_backend,
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
         check = windows.ids(512 if not quick else 128, 8, seed=5)
         if hf is not None:

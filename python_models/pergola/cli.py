@@ -53,7 +53,10 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
                    help="most texts one request may carry")
     p.add_argument("--no-truncate", action="store_true", default=_env("no_truncate", "") == "1",
                    help="refuse texts over the model's limit instead of truncating them")
-    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"))
+    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
+                   help="auto | sdpa | torch_flash | flashinfer_fa2 | flashinfer_fa3")
+    p.add_argument("--eager-attention-backend", default=_env("eager_attention_backend", "auto"),
+                   help="backend for steps above the CUDA-graph crossover (flashinfer_fa2 is faster there)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--query-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=query")
     p.add_argument("--document-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=document")
@@ -78,6 +81,7 @@ def build_repo(args: argparse.Namespace) -> Path:
             folder, name,
             dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_texts=args.max_texts,
             truncate=not args.no_truncate, attention_backend=args.attention_backend,
+            eager_attention_backend=args.eager_attention_backend,
             enforce_eager=args.enforce_eager, query_prompt=args.query_prompt,
             document_prompt=args.document_prompt,
         ))

@@ -25,6 +25,7 @@ class EngineConfig:
     max_texts:         most texts one request may carry.
     truncate:          default for requests that do not say: cut long texts (True) or refuse them.
     attention_backend: one of ATTENTION_BACKENDS; "auto" picks per device.
+    eager_attention_backend: backend for steps above the graph crossover ("auto": the same).
     enforce_eager:     never capture CUDA graphs.
     cuda_graph_max_tokens: steps with more tokens run eagerly (the launch-vs-GPU-time crossover).
     query_prompt / document_prompt: prompt names or literal prefixes used for the `query` and
@@ -39,6 +40,7 @@ class EngineConfig:
     max_texts: int = 1024
     truncate: bool = True
     attention_backend: str = "auto"
+    eager_attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 4096
     query_prompt: str = ""
@@ -50,10 +52,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
+        for name in ("attention_backend", "eager_attention_backend"):
+            if getattr(self, name) not in ATTENTION_BACKENDS:
+                raise ValueError(f"{name} must be one of {ATTENTION_BACKENDS}, got {getattr(self, name)!r}")
         for name in ("max_batch_tokens", "max_batch_seqs", "max_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

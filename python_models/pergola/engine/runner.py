@@ -18,7 +18,7 @@ from pergola.config import EngineConfig
 from pergola.engine.graphs import GraphCache
 from pergola.engine.lazy import LazyTensor
 from pergola.hf_folder import ModelSpec
-from pergola.layers.attention import AttentionMetadata, make_backend
+from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.models import build_model
 from pergola.pooling import pool
 
@@ -117,6 +117,10 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.compute_dtype]
         self.model = build_model(spec, device, self.dtype)
         self.attn = make_backend(cfg.attention_backend, device, self.dtype)
+        # Large eager steps may use another kernel (FlashInfer: faster at 16k-token steps, but
+        # JIT-compiled on first use, so opt-in: `eager_attention_backend`).
+        self.eager_attn = (self.attn if cfg.eager_attention_backend in ("", "auto")
+                           else make_backend(cfg.eager_attention_backend, device, self.dtype))
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
         self.buffers: StaticBuffers | None = None
         self.graphs: GraphCache | None = None
@@ -155,19 +159,28 @@ class ModelRunner:
                            None if weights is None else put(weights), meta)
 
     @torch.inference_mode()
-    def forward(self, b: BatchInputs) -> torch.Tensor:
+    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> torch.Tensor:
         """-> pooled [B, hidden] fp32 on the device."""
-        hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, self.attn)
+        hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
         return pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
-    def _static_forward(self, s: int, t: int, max_seqlen: int | None = None) -> None:
+    def _static_forward(self, s: int, t: int, max_seqlen: int | None = None,
+                        attn: AttentionBackend | None = None) -> None:
         """Forward over the static buffers padded to (s, t); writes pooled[:s]. Graph-safe."""
         assert self.buffers is not None
         # In a graph the longest sequence is unknown at capture: t bounds it.
         b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal)
-        self.buffers.pooled[:s].copy_(self.forward(b))
+        self.buffers.pooled[:s].copy_(self.forward(b, attn))
+
+    def _plan(self, attn: AttentionBackend) -> None:
+        """Host-side planning for backends that need it (FlashInfer), once per step."""
+        if getattr(attn, "needs_plan", False):
+            cfg = self.spec.hf_config
+            heads = cfg["num_attention_heads"]
+            attn.plan(self.buffers.cu_seqlens_host, heads, cfg.get("num_key_value_heads", heads),
+                      cfg.get("head_dim") or cfg["hidden_size"] // heads, self.spec.causal)
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
              token_types: np.ndarray | None = None) -> LazyTensor:
@@ -178,15 +191,13 @@ class ModelRunner:
         key = self.graphs.key_for(num_seqs, num_tokens) if self.graphs is not None else None
         s, t = key or (num_seqs, num_tokens)
         self.buffers.fill(input_ids, lengths, skips, token_types, s, t)
-        if getattr(self.attn, "needs_plan", False):
-            cfg = self.spec.hf_config
-            heads = cfg["num_attention_heads"]
-            self.attn.plan(self.buffers.cu_seqlens_host, heads, cfg.get("num_key_value_heads", heads),
-                           cfg.get("head_dim") or cfg["hidden_size"] // heads, self.spec.causal)
         if key is not None:
+            self._plan(self.attn)
             self.last_mode = self.graphs.run(key)
         else:
-            self._static_forward(s, t, max_seqlen=int(lengths.max()))
+            # Above the graph crossover: eager, with the backend measured fastest for big steps.
+            self._plan(self.eager_attn)
+            self._static_forward(s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn)
             self.last_mode = "eager"
         return self._lazy(self.buffers.pooled[:num_seqs])
 
