@@ -98,8 +98,15 @@ def test_pretokenized_encoder_reads_known_values(server, st_model, reference):
     assert cosine_rows(out, reference).min() >= MIN_COSINE
 
 
-def test_server_metrics_endpoint(server):
+def test_server_metrics_endpoint(server, client):
+    import re
     import urllib.request
 
+    client.embed(TEXTS[:3])
     body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     assert 'nv_inference_request_success{model="minilm_encoder"' in body
+    tokens = re.search(r'pergola_tokens_total\{model="minilm_encoder"\} (\d+)', body)
+    assert tokens and int(tokens.group(1)) > 0
+    assert re.search(r'pergola_steps_total\{mode="(eager|replay|warmup|capture)",model="minilm_encoder"\} [1-9]', body) \
+        or re.search(r'pergola_steps_total\{model="minilm_encoder",mode="\w+"\} [1-9]', body)
+    assert 'pergola_attention_backend{' in body

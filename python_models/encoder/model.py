@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
+from pergola.metrics import EncoderMetrics
 from pergola.pooling import check_dimensions, finish
 from pergola.triton_io import error_response, instance_device, optional_scalar, required_array
 
@@ -18,6 +19,12 @@ class TritonPythonModel:
         self.cfg = EngineConfig.from_triton_args(args, device=instance_device(args))
         self.engine = Engine(self.cfg)
         self.hidden = self.engine.spec.hidden_size
+        runner = self.engine.runner
+        attention = {"graph" if runner.graphs is not None else "eager": runner.attn.name,
+                     "eager": runner.eager_attn.name}
+        pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
+                                 f"CUDA graphs {'on' if runner.graphs is not None else 'off'}")
+        self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention)
 
     def _decode(self, request) -> tuple[EncodeRequest, int, bool]:
         prompt_lengths = pb_utils.get_input_tensor_by_name(request, "PROMPT_LENGTHS")
@@ -50,4 +57,5 @@ class TritonPythonModel:
         for (i, _, dims, normalize), emb in zip(accepted, pooled):
             out = finish(emb, dims, normalize)
             responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", out)])
+        self.metrics.update(self.engine.stats)
         return responses

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,9 @@ class Engine:
         self.device = torch.device(device or cfg.device)
         self.runner = ModelRunner(self.spec, cfg, self.device)
         self.vocab_size = int(self.spec.hf_config["vocab_size"])
+        # Running totals for metrics: requests, sequences, tokens, steps, and steps by mode
+        # (steps_eager / steps_warmup / steps_capture / steps_replay).
+        self.stats: Counter[str] = Counter()
 
     def validate(self, req: EncodeRequest) -> None:
         """Refuse malformed pre-tokenized input before it can reach a kernel."""
@@ -77,8 +81,11 @@ class Engine:
                 results[s.request][s.index] = values[row]
 
         inflight: tuple[Step, LazyTensor] | None = None
+        self.stats.update(requests=len(requests), sequences=sum(r.lengths.size for r in requests),
+                          tokens=sum(r.input_ids.size for r in requests))
         for step in scheduler.steps():
             lazy = self.runner.step(*self._gather(requests, step))  # packed while the last step runs
+            self.stats.update(steps=1, **{f"steps_{self.runner.last_mode}": 1})
             if inflight is not None:
                 collect(*inflight)
             inflight = (step, lazy)
