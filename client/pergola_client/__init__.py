@@ -7,11 +7,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+
+
+class RerankResult(NamedTuple):
+    scores: np.ndarray  # [n] float32, one per document, in input order
+    indices: np.ndarray  # [k] int32, best document first (k = top_n, or n)
 
 
 def _protocol_module(protocol: str) -> Any:
@@ -58,6 +63,20 @@ class PergolaClient:
         if truncate is not None:
             inputs.append(self._input("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
         return self._infer(model or self.model, inputs, ["EMBEDDING"]).as_numpy("EMBEDDING")
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+               truncate: bool | None = None, model: str | None = None) -> RerankResult:
+        """Scores of `documents` against `query` (reranker served as `rerank` by default)."""
+        docs = np.array([d.encode("utf-8") for d in documents], dtype=object)
+        inputs = [self._input("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES"),
+                  self._input("DOCUMENTS", docs.reshape(-1), "BYTES")]
+        if top_n is not None:
+            inputs.append(self._input("TOP_N", np.array([top_n], dtype=np.int32), "INT32"))
+        if truncate is not None:
+            inputs.append(self._input("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
+        name = model or ("rerank" if self.model == "embed" else self.model)
+        result = self._infer(name, inputs, ["SCORE", "INDICES"])
+        return RerankResult(result.as_numpy("SCORE"), result.as_numpy("INDICES"))
 
     def embed_tokens(self, token_ids: Sequence[Sequence[int]], model: str | None = None,
                      dimensions: int | None = None) -> np.ndarray:

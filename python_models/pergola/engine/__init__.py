@@ -50,6 +50,8 @@ class Engine:
             raise RequestError(f"a sequence has {int(lengths.max())} tokens; this model takes at most {limit}")
         if int(lengths.sum()) != req.input_ids.size:
             raise RequestError(f"LENGTHS add up to {int(lengths.sum())} but INPUT_IDS has {req.input_ids.size} tokens")
+        if req.token_types is not None and req.token_types.size != req.input_ids.size:
+            raise RequestError(f"TOKEN_TYPE_IDS has {req.token_types.size} values for {req.input_ids.size} tokens")
         if req.input_ids.size and (req.input_ids.min() < 0 or req.input_ids.max() >= self.vocab_size):
             raise RequestError(f"INPUT_IDS must lie in [0, {self.vocab_size}) for this model's vocabulary")
 
@@ -68,9 +70,10 @@ class Engine:
         return ids, lengths, skips, types
 
     def encode(self, requests: list[EncodeRequest]) -> list[np.ndarray]:
-        """-> one [n_i, hidden] fp32 array per request (pooled, not yet truncated/normalised)."""
-        hidden = self.spec.hidden_size
-        results = [np.empty((r.lengths.size, hidden), dtype=np.float32) for r in requests]
+        """-> one [n_i, out_dim] fp32 array per request: pooled embeddings (not yet truncated or
+        normalised), or a reranker's scores."""
+        width = self.runner.out_dim
+        results = [np.empty((r.lengths.size, width), dtype=np.float32) for r in requests]
         scheduler = TokenBudgetScheduler(self.cfg.max_batch_tokens, self.cfg.max_batch_seqs)
         for i, r in enumerate(requests):
             scheduler.add(i, r.lengths.tolist())

@@ -53,15 +53,15 @@ class StaticBuffers:
 
     Layout for a step padded to t tokens and s sequences (views at fixed offsets per (s, t)):
       i64[0:t] ids | i64[t:2t] positions | i64[2t:3t] token types | i64[3t:4t] sequence ids
-      i32[0:s+1] cu_seqlens, f32[0:t] pooling weights, pooled[0:s] output [s, hidden] fp32.
+      i32[0:s+1] cu_seqlens, f32[0:t] pooling weights, pooled[0:s] output [s, out_dim] fp32.
     """
 
-    def __init__(self, max_tokens: int, max_seqs: int, hidden: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, out_dim: int, device: torch.device) -> None:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.i64 = torch.zeros(4 * max_tokens, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.f32 = torch.zeros(max_tokens, dtype=torch.float32, device=device)
-        self.pooled = torch.zeros(max_seqs, hidden, dtype=torch.float32, device=device)
+        self.pooled = torch.zeros(max_seqs, out_dim, dtype=torch.float32, device=device)
         self._host = [self._staging() for _ in range(2)]
         self._slot = 0
 
@@ -122,6 +122,8 @@ class ModelRunner:
         self.eager_attn = (self.attn if cfg.eager_attention_backend in ("", "auto")
                            else make_backend(cfg.eager_attention_backend, device, self.dtype))
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
+        # What a step returns per sequence: the pooled embedding, or a reranker's score(s).
+        self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
         self.buffers: StaticBuffers | None = None
         self.graphs: GraphCache | None = None
         self._result_buffers: list[torch.Tensor] = []
@@ -130,11 +132,11 @@ class ModelRunner:
         if device.type == "cuda":
             max_seqs = cfg.max_batch_seqs + 1  # + the padding sequence
             # Two pinned result buffers: step N+1's result lands in one while step N's is read.
-            self._result_buffers = [torch.empty(max_seqs, spec.hidden_size, pin_memory=True) for _ in range(2)]
+            self._result_buffers = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
             # Padded backends (SDPA: FP32 on a GPU) build their own index tensors per step.
             if not getattr(self.attn, "needs_padding", False):
                 max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
-                self.buffers = StaticBuffers(max_tokens, max_seqs, spec.hidden_size, device)
+                self.buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, device)
                 # Backends that plan on the host each step (FlashInfer) run eagerly for now.
                 graph_safe = not getattr(self.attn, "needs_plan", False)
                 if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
@@ -160,9 +162,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> torch.Tensor:
-        """-> pooled [B, hidden] fp32 on the device."""
+        """-> pooled [B, hidden] fp32 on the device (a reranker: its scores [B, num_labels])."""
         hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
-        return pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
+        pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
+        return self.model.score(pooled) if self.spec.task == "rerank" else pooled
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()

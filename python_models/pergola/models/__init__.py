@@ -56,6 +56,8 @@ def load_weights(model: nn.Module, folder: Path) -> None:
             for name in f.keys():
                 target, shard = _target_name(name, model)
                 if target not in params:
+                    if name in getattr(model, "extra_checkpoint_names", ()):
+                        loaded |= model.load_extra(name, f.get_tensor(name))
                     continue  # pooler, heads this task does not use, position_ids buffers
                 if shard is None:
                     params[target].data.copy_(f.get_tensor(name))
@@ -76,11 +78,27 @@ def load_weights(model: nn.Module, folder: Path) -> None:
         raise ModelFolderError(f"{folder}: weights missing from the checkpoint: {missing[:8]}")
 
 
+def _yes_no_ids(spec: ModelSpec) -> tuple[int, int]:
+    """Token ids of "no" and "yes" (the Qwen3-Reranker answer words) in the folder's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(spec.tokenizer_file))
+    ids = tok.token_to_id("no"), tok.token_to_id("yes")
+    if None in ids:
+        raise ModelFolderError(f"{spec.path}: the tokenizer has no single 'yes'/'no' tokens for reranking")
+    return ids  # type: ignore[return-value]
+
+
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Instantiate the architecture without initialising it, then load the folder's weights."""
     cls = model_class(spec.architecture)
+    kwargs: dict = {"task": spec.task}
+    if spec.architecture != "bert":
+        kwargs["causal"] = spec.causal
+        if spec.task == "rerank":
+            kwargs["score_token_ids"] = _yes_no_ids(spec)
     with torch.device("meta"):
-        model = cls(spec.hf_config, **({"causal": spec.causal} if spec.architecture != "bert" else {}))
+        model = cls(spec.hf_config, **kwargs)
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, spec.path)
     post_load = getattr(model, "post_load", None)

@@ -87,12 +87,26 @@ class BertModel(nn.Module):
     checkpoint_prefixes = ("bert.", "model.")
     causal = False
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], task: str = "embed") -> None:
         super().__init__()
         self.config = cfg
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        if task == "rerank":  # BertForSequenceClassification's head: pooler (dense + tanh), classifier
+            h = cfg["hidden_size"]
+            self.pooler = nn.Module()
+            self.pooler.dense = nn.Linear(h, h)
+            self.classifier = nn.Linear(h, len(cfg.get("id2label") or {0: "LABEL_0"}))
+
+    def score(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] fp32 [CLS] states -> [B, num_labels] fp32 scores.
+
+        One label: sigmoid, as sentence-transformers' CrossEncoder applies by default; several:
+        the raw logits."""
+        x = torch.tanh(self.pooler.dense(cls_states.to(self.pooler.dense.weight.dtype)))
+        logits = self.classifier(x).float()
+        return torch.sigmoid(logits) if logits.shape[1] == 1 else logits
 
     def forward(
         self,

@@ -140,7 +140,8 @@ class Qwen3Model(nn.Module):
     }
     checkpoint_prefixes = ("model.",)  # Qwen3ForCausalLM checkpoints; lm_head.* is skipped
 
-    def __init__(self, cfg: dict[str, Any], causal: bool = True) -> None:
+    def __init__(self, cfg: dict[str, Any], causal: bool = True, task: str = "embed",
+                 score_token_ids: tuple[int, int] | None = None) -> None:
         super().__init__()
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelFolderError(f"Qwen3 with hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
@@ -153,6 +154,33 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.rotary_emb = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], _rope_theta(cfg))
+        # Qwen3-Reranker: only the lm_head rows of "no" and "yes" are ever needed, [2, hidden]:
+        # the score never projects a position onto the 151k-token vocabulary.
+        self.score_token_ids = score_token_ids
+        if task == "rerank":
+            if score_token_ids is None:
+                raise ModelFolderError("a Qwen3 reranker needs the token ids of 'no' and 'yes'")
+            self.score_weight = nn.Parameter(torch.empty(2, cfg["hidden_size"]))
+
+    extra_checkpoint_names = ("lm_head.weight",)
+
+    def load_extra(self, name: str, tensor: torch.Tensor) -> set[str]:
+        """Checkpoint tensors outside the module tree: lm_head rows for the reranker's score."""
+        if name == "lm_head.weight" and hasattr(self, "score_weight"):
+            self.score_weight.data.copy_(tensor[list(self.score_token_ids)])
+            return {"score_weight"}
+        return set()
+
+    def tie_weights(self) -> set[str]:
+        if hasattr(self, "score_weight") and self.config.get("tie_word_embeddings", False):
+            self.score_weight.data.copy_(self.embed_tokens.weight.data[list(self.score_token_ids)])
+            return {"score_weight"}
+        return set()
+
+    def score(self, last_states: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] fp32 last-token states -> [B, 1] P(yes) = softmax([no, yes] logits)[yes]."""
+        logits = (last_states.to(self.score_weight.dtype) @ self.score_weight.t()).float()  # [B, 2]
+        return torch.sigmoid(logits[:, 1:2] - logits[:, 0:1])
 
     def post_load(self) -> None:
         self.rotary_emb.fill()

@@ -1,0 +1,186 @@
+"""The gateway side of reranking: (query, document) pairs to flat token ids, one sequence per document.
+
+Two model kinds:
+
+* "cross-encoder" (BERT-style sequence classification, e.g. cross-encoder/ms-marco-MiniLM-L6-v2):
+  each pair is tokenized exactly as the tokenizer's pair template does it ([CLS] query [SEP]
+  document [SEP], token types 0 then 1), as sentence-transformers' CrossEncoder and
+  `tokenizer(query, document)` do. Truncation cuts the document only ("only_second"), so the
+  query always survives whole; sentence-transformers' default ("longest_first") would cut the
+  query too once the document is shorter than it.
+* "qwen3-reranker" (Qwen/Qwen3-Reranker-*): the published prompt, laid out as the official
+  reference builds it: prefix ids + body ids + suffix ids, where the body
+  "<Instruct>: ...\\n<Query>: ...\\n<Document>: ..." is tokenized on its own and cut from the right
+  to max_length - len(prefix) - len(suffix). The document is the body's tail, so that cut removes
+  document tokens only; a query whose instruction + query part leaves no room for the document is
+  refused. No EOS is appended (the reranker's tokenizer has no post-processor); the score is read
+  from the "yes"/"no" logits (`yes_id`, `no_id`) at the last position.
+
+Tokenization is batched through HF `tokenizers`; the only Python loop gathers ids into flat arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from pergola.errors import RequestError
+from pergola.hf_folder import ModelFolderError, ModelSpec
+
+RerankKind = Literal["cross-encoder", "qwen3-reranker"]
+RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker")
+
+QWEN3_RERANKER_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+    'the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
+QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+QWEN3_RERANKER_MAX_LENGTH = 8192  # the official reference's max_length
+
+
+def qwen3_reranker_body(instruction: str, query: str, document: str) -> str:
+    """The official `format_instruction(instruction, query, doc)`."""
+    return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+
+
+@dataclass(frozen=True)
+class RerankEncoded:
+    input_ids: np.ndarray  # [num_tokens] int64: every pair's ids, concatenated
+    lengths: np.ndarray  # [num_documents] int32: tokens per pair (its slice of input_ids)
+    token_type_ids: np.ndarray  # [num_tokens] int64: segment ids (cross-encoder: 0 query, 1 document)
+
+
+class RerankTokenizer:
+    """Turns one rerank request (a query and its documents) into flat token ids."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        kind: RerankKind,
+        max_documents: int = 1024,
+        instruction: str | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        """max_length: tokens per pair (prompt included). Default: the folder's max_seq_length,
+        and for qwen3-reranker at most 8192, as in the official reference."""
+        if kind not in RERANK_KINDS:
+            raise ValueError(f"kind must be one of {RERANK_KINDS}, got {kind!r}")
+        if max_documents < 1:
+            raise ValueError(f"max_documents must be at least 1, got {max_documents}")
+        if kind == "cross-encoder" and instruction is not None:
+            raise ValueError("an instruction only applies to kind 'qwen3-reranker'")
+        self.spec = spec
+        self.kind = kind
+        self.max_documents = max_documents
+        if max_length is None:
+            max_length = spec.max_seq_length
+            if kind == "qwen3-reranker":
+                max_length = min(max_length, QWEN3_RERANKER_MAX_LENGTH)
+        self.max_length = int(max_length)
+        self.instruction = QWEN3_RERANKER_INSTRUCTION if instruction is None else instruction
+        self.yes_id: int | None = None
+        self.no_id: int | None = None
+
+        self._whole = Tokenizer.from_file(str(spec.tokenizer_file))
+        self._whole.no_padding()
+        self._whole.no_truncation()
+        self._truncating = Tokenizer.from_file(str(spec.tokenizer_file))
+        self._truncating.no_padding()
+
+        if kind == "cross-encoder":
+            self._pair_specials = self._whole.num_special_tokens_to_add(is_pair=True)
+            if self._pair_specials + 1 >= self.max_length:
+                raise ValueError(f"max_length {self.max_length} leaves no room for a query and a document")
+            self._truncating.enable_truncation(self.max_length, strategy="only_second", direction="right")
+        else:
+            self.prefix_ids = np.asarray(
+                self._whole.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False).ids, dtype=np.int64)
+            self.suffix_ids = np.asarray(
+                self._whole.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False).ids, dtype=np.int64)
+            self.body_budget = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
+            if self.body_budget < 2:
+                raise ValueError(f"max_length {self.max_length} leaves no room for the reranker prompt")
+            self._truncating.enable_truncation(self.body_budget, strategy="longest_first", direction="right")
+            yes, no = self._whole.token_to_id("yes"), self._whole.token_to_id("no")
+            if yes is None or no is None:
+                raise ModelFolderError(
+                    f"{spec.path}: the tokenizer has no 'yes'/'no' tokens; is this a Qwen3 reranker?")
+            self.yes_id, self.no_id = int(yes), int(no)
+
+    def check_request(self, query: str, documents: list[str]) -> None:
+        if not documents:
+            raise RequestError("DOCUMENTS is empty; send at least one document to rank")
+        if len(documents) > self.max_documents:
+            raise RequestError(
+                f"{len(documents)} documents in one request; the limit is {self.max_documents}: "
+                "split the documents over several requests (or raise max_documents when building "
+                "the repository)"
+            )
+        if not query:
+            raise RequestError("QUERY is an empty string; send the query to rank the documents against")
+        for i, doc in enumerate(documents):
+            if not doc:
+                raise RequestError(f"DOCUMENTS[{i}] is an empty string; every document needs content")
+
+    def _query_too_long(self, used: int, room: int) -> RequestError:
+        what = "the instruction and query take" if self.kind == "qwen3-reranker" else "the query takes"
+        return RequestError(
+            f"QUERY is too long: {what} {used} of this model's {room} tokens per pair, leaving no room "
+            "for the document; shorten the query"
+        )
+
+    def _over_limit(self, i: int, n: int) -> RequestError:
+        return RequestError(
+            f"DOCUMENTS[{i}] with the query is {n} tokens, over this model's limit of {self.max_length}; "
+            "shorten the document or allow truncation (TRUNCATE=true)"
+        )
+
+    def encode(self, query: str, documents: list[str], truncate: bool = True) -> RerankEncoded:
+        self.check_request(query, documents)
+        if self.kind == "cross-encoder":
+            return self._encode_cross_encoder(query, documents, truncate)
+        return self._encode_qwen3(query, documents, truncate)
+
+    def _encode_cross_encoder(self, query: str, documents: list[str], truncate: bool) -> RerankEncoded:
+        query_len = len(self._whole.encode(query, add_special_tokens=False).ids)
+        if query_len + self._pair_specials + 1 > self.max_length:  # not even one document token fits
+            raise self._query_too_long(query_len + self._pair_specials, self.max_length)
+        tokenizer = self._truncating if truncate else self._whole
+        encodings = tokenizer.encode_batch([(query, doc) for doc in documents], add_special_tokens=True)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
+        if not truncate:
+            too_long = np.flatnonzero(lengths > self.max_length)
+            if too_long.size:
+                i = int(too_long[0])
+                raise self._over_limit(i, int(lengths[i]))
+        input_ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
+        token_type_ids = np.concatenate([np.asarray(e.type_ids, dtype=np.int64) for e in encodings])
+        return RerankEncoded(input_ids=input_ids, lengths=lengths, token_type_ids=token_type_ids)
+
+    def _encode_qwen3(self, query: str, documents: list[str], truncate: bool) -> RerankEncoded:
+        # Everything before the document; the body's tokens start with exactly these (the
+        # pre-tokenizer always splits after "<Document>:", whose next character is a space).
+        head = qwen3_reranker_body(self.instruction, query, "").rstrip(" ")
+        head_len = len(self._whole.encode(head, add_special_tokens=False).ids)
+        if head_len + 1 > self.body_budget:
+            raise self._query_too_long(head_len + len(self.prefix_ids) + len(self.suffix_ids), self.max_length)
+        bodies = [qwen3_reranker_body(self.instruction, query, doc) for doc in documents]
+        tokenizer = self._truncating if truncate else self._whole
+        encodings = tokenizer.encode_batch(bodies, add_special_tokens=True)
+        extra = len(self.prefix_ids) + len(self.suffix_ids)
+        lengths = np.fromiter((len(e.ids) + extra for e in encodings), dtype=np.int32, count=len(encodings))
+        if not truncate:
+            too_long = np.flatnonzero(lengths > self.max_length)
+            if too_long.size:
+                i = int(too_long[0])
+                raise self._over_limit(i, int(lengths[i]))
+        parts: list[np.ndarray] = []
+        for e in encodings:
+            parts += (self.prefix_ids, np.asarray(e.ids, dtype=np.int64), self.suffix_ids)
+        input_ids = np.concatenate(parts)
+        token_type_ids = np.zeros(len(input_ids), dtype=np.int64)
+        return RerankEncoded(input_ids=input_ids, lengths=lengths, token_type_ids=token_type_ids)
