@@ -217,6 +217,19 @@ def _write_sentence_transformers(out: Path, shape: str, variant: str) -> None:
     })
 
 
+def _qwen3_setup(out_dir: str | Path, shape: str, dtype: str) -> tuple[torch.dtype, Path, Path]:
+    """Validate shape/dtype, fetch the tokenizer, create the folder: (dtype, tokenizer dir, out)."""
+    if shape not in QWEN3_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(QWEN3_SHAPES)}, got {shape!r}")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    tok_dir = qwen3_tokenizer_files()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return torch_dtype, tok_dir, out
+
+
 def make_qwen3_folder(
     out_dir: str | Path,
     shape: str = "tiny",
@@ -232,16 +245,9 @@ def make_qwen3_folder(
     dtype:   "float32" or "bfloat16" for the safetensors file.
     Raises TokenizerUnavailable when the tokenizer can be neither found nor fetched.
     """
-    if shape not in QWEN3_SHAPES:
-        raise ValueError(f"shape must be one of {sorted(QWEN3_SHAPES)}, got {shape!r}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    tok_dir = qwen3_tokenizer_files()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype, tok_dir, out = _qwen3_setup(out_dir, shape, dtype)
 
     raw = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
     (out / "tokenizer.json").write_text(json.dumps(embedding_tokenizer_json(raw), ensure_ascii=False),
@@ -381,14 +387,7 @@ def make_qwen3_reranker_folder(
     reranker prompt ends with its own assistant suffix). `shape` as in QWEN3_SHAPES; no
     sentence-transformers files. Raises TokenizerUnavailable like make_qwen3_folder.
     """
-    if shape not in QWEN3_SHAPES:
-        raise ValueError(f"shape must be one of {sorted(QWEN3_SHAPES)}, got {shape!r}")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    tok_dir = qwen3_tokenizer_files()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype, tok_dir, out = _qwen3_setup(out_dir, shape, dtype)
     shutil.copyfile(tok_dir / "tokenizer.json", out / "tokenizer.json")
     (out / "tokenizer.json").chmod(0o644)
     tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
