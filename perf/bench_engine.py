@@ -41,7 +41,8 @@ def sync() -> None:
 
 LAT_LENGTHS = {"qwen3-0.6b": [128, 512, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
 TPUT_LENGTHS = {"qwen3-0.6b": [512, 1024, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
-QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny"}
+QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny",
+                "qwen3-reranker-0.6b": "qwen3-0.6b", "qwen3-reranker-tiny": "tiny"}
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -51,15 +52,20 @@ def percentiles(ms: list[float]) -> dict[str, float]:
 
 
 def model_folder(name: str, workdir: Path) -> Path:
+    """The benchmark's model folder: MiniLM's real weights, or a seeded Qwen3 in a published shape
+    (`qwen3-reranker-0.6b`: Qwen3-Reranker-0.6B, a causal LM scored on its yes/no logits)."""
     if name == "minilm":
         from pergola.cli import default_model_folder
 
         return default_model_folder()
-    from pergola.testing import make_qwen3_folder
+    from pergola.testing import make_qwen3_folder, make_qwen3_reranker_folder
 
     out = workdir / name
     if not (out / "model.safetensors").exists():
-        make_qwen3_folder(out, shape=QWEN3_SHAPES[name], variant="causal-last", seed=0, dtype="bfloat16")
+        if name.startswith("qwen3-reranker"):
+            make_qwen3_reranker_folder(out, shape=QWEN3_SHAPES[name], seed=0, dtype="bfloat16")
+        else:
+            make_qwen3_folder(out, shape=QWEN3_SHAPES[name], variant="causal-last", seed=0, dtype="bfloat16")
     return out
 
 

@@ -10,9 +10,11 @@ against Hugging Face transformers on the same weights, then runs:
   concurrency  text, batch 1, 512 tokens, 1 / 2 / 4 / 8 / 16 in flight        -> embed ensemble
                (tokenization and the network hop count)
   perf_analyzer  the latency suite again through perf_analyzer (--input-data JSON), if present
+  scoring      (a reranker model) pre-tokenized batches of 5 / 25 / 50 pairs of 512 tokens,
+               sequential                                                    -> NAME_encoder
 The baseline, measured in the same run on the same GPU: HF transformers in-process (BF16, SDPA,
 padded batches of 32), which is what sentence-transformers runs; for the concurrency suite it
-tokenizes too. Scoring (the reranker suite) waits for the rerank models.
+tokenizes too; for scoring, AutoModelForCausalLM scored as the official Qwen3-Reranker code does.
 """
 
 from __future__ import annotations
@@ -129,6 +131,62 @@ def run_concurrency(url: str, texts: list[str], levels: list[int], per_level: in
     return out
 
 
+# --- scoring: a reranker, batches of pre-tokenized pairs -------------------------------------
+class HFReranker:
+    """The official Qwen3-Reranker scoring: causal LM logits at the last position, softmax(no, yes)."""
+
+    def __init__(self, folder: Path, device: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from pergola.models import _yes_no_ids
+        from pergola.hf_folder import load_model_spec as spec_of
+
+        self.torch, self.device = torch, device
+        self.no_id, self.yes_id = _yes_no_ids(spec_of(folder, task="rerank"))
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
+                                                          attn_implementation="sdpa").to(device).eval()
+
+    def __call__(self, seqs: list[np.ndarray]) -> np.ndarray:
+        torch = self.torch
+        n = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        mask = torch.zeros(len(seqs), n, dtype=torch.long)
+        for j, s in enumerate(seqs):  # left padding, as the official code does
+            ids[j, n - len(s):] = torch.from_numpy(s)
+            mask[j, n - len(s):] = 1
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits[:, -1]
+            pair = torch.stack([logits[:, self.no_id], logits[:, self.yes_id]], 1).float()
+            return torch.softmax(pair, 1)[:, 1].cpu().numpy()
+
+
+def infer_pairs(client, mod, seqs: list[np.ndarray]) -> np.ndarray:
+    ids = np.concatenate(seqs)[None, :]
+    lengths = np.array([[len(s) for s in seqs]], dtype=np.int32)
+    a = mod.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+    a.set_data_from_numpy(ids)
+    b = mod.InferInput("LENGTHS", list(lengths.shape), "INT32")
+    b.set_data_from_numpy(lengths)
+    return client.infer(f"{NAME}_encoder", [a, b]).as_numpy("SCORE")
+
+
+def run_scoring(client, mod, windows: TokenWindows, hf: HFReranker | None, n: int, length: int) -> dict:
+    out = {}
+    for batch in (5, 25, 50):
+        inputs = [windows.ids(length, batch, seed=100 * batch + i) for i in range(10)]
+        row = {"pergola": time_latency(lambda x: infer_pairs(client, mod, x), inputs, n)}
+        if hf is not None:
+            ours, ref = infer_pairs(client, mod, inputs[0]), hf(inputs[0])
+            row["max_abs_diff_vs_hf"] = float(np.abs(ours - ref).max())
+            row["hf"] = time_latency(hf, inputs, max(n // 4, 10))
+        out[batch] = row
+        print(f"  scoring {batch:2d} x {length} tok: pergola p50 {row['pergola']['p50']:.2f} p99 "
+              f"{row['pergola']['p99']:.2f} ms" + (f", HF p50 {row['hf']['p50']:.2f} ms, max |diff| "
+                                                    f"{row['max_abs_diff_vs_hf']:.4f}" if hf else ""), flush=True)
+    return out
+
+
 # --- perf_analyzer --------------------------------------------------------------------------
 def run_perf_analyzer(url: str, windows: TokenWindows, length: int, workdir: Path) -> dict | None:
     exe = shutil.which("perf_analyzer")
@@ -155,7 +213,8 @@ def run_perf_analyzer(url: str, windows: TokenWindows, length: int, workdir: Pat
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "minilm", "qwen3-tiny"])
+    p.add_argument("--model", default="qwen3-0.6b",
+                   choices=["qwen3-0.6b", "minilm", "qwen3-tiny", "qwen3-reranker-0.6b", "qwen3-reranker-tiny"])
     p.add_argument("--suites", nargs="+", default=["latency", "throughput", "concurrency", "perf_analyzer"])
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--latency-n", type=int, default=100)
@@ -178,7 +237,9 @@ def main() -> None:
     tput_lengths = [128] if quick else ([512, 1024, 4096] if args.model.startswith("qwen3") else [128, 256])
     conc_length = 128 if quick or args.model == "minilm" else 512
 
-    entry = entry_from_folder(folder, NAME, eager_attention_backend=args.eager_attention_backend)
+    rerank = args.model.startswith("qwen3-reranker")
+    entry = entry_from_folder(folder, NAME, eager_attention_backend=args.eager_attention_backend,
+                              task="rerank" if rerank else "")
     repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     t0 = time.perf_counter()
@@ -189,13 +250,18 @@ def main() -> None:
         print(f"server ready in {ready_s:.1f} s ({args.model}, {args.device})", flush=True)
         url = f"127.0.0.1:{opts.grpc_port}"
         mod, client = grpc_client(url)
-        hf = None if args.no_baseline else HFBaseline(folder, spec.pooling, spec.normalize,
-                                                      device="cuda" if args.device == "gpu" else "cpu")
+        device = "cuda" if args.device == "gpu" else "cpu"
         res: dict = {"model": args.model, "device": args.device, "server_ready_s": ready_s,
                      "eager_attention_backend": args.eager_attention_backend,
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
-        check = windows.ids(512 if not quick else 128, 8, seed=5)
-        if hf is not None:
+        hf = None
+        if rerank:  # a reranker runs the scoring suite only
+            hf_rr = None if args.no_baseline else HFReranker(folder, device)
+            res["scoring"] = run_scoring(client, mod, windows, hf_rr, args.latency_n, 128 if quick else 512)
+            args.suites = []
+        elif not args.no_baseline:
+            hf = HFBaseline(folder, spec.pooling, spec.normalize, device=device)
+            check = windows.ids(512 if not quick else 128, 8, seed=5)
             res["min_cosine_vs_hf"] = cosine_min(infer_tokens(client, mod, check), hf(check))
             print(f"check vs HF transformers: min cosine {res['min_cosine_vs_hf']:.5f}", flush=True)
         if "latency" in args.suites:
