@@ -50,14 +50,15 @@ def grpc_client(url: str):
     return grpcclient, grpcclient.InferenceServerClient(url)
 
 
-def infer_tokens(client, mod, seqs: list[np.ndarray]) -> np.ndarray:
+def infer_tokens(client, mod, seqs: list[np.ndarray], output: str = "EMBEDDING") -> np.ndarray:
+    """Pre-tokenized sequences straight to the encoder: [1, T] ids + [1, n] lengths."""
     ids = np.concatenate(seqs)[None, :]
     lengths = np.array([[len(s) for s in seqs]], dtype=np.int32)
     a = mod.InferInput("INPUT_IDS", list(ids.shape), "INT64")
     a.set_data_from_numpy(ids)
     b = mod.InferInput("LENGTHS", list(lengths.shape), "INT32")
     b.set_data_from_numpy(lengths)
-    return client.infer(f"{NAME}_encoder", [a, b]).as_numpy("EMBEDDING")
+    return client.infer(f"{NAME}_encoder", [a, b]).as_numpy(output)
 
 
 def infer_text(client, mod, texts: list[str]) -> np.ndarray:
@@ -161,23 +162,13 @@ class HFReranker:
             return torch.softmax(pair, 1)[:, 1].cpu().numpy()
 
 
-def infer_pairs(client, mod, seqs: list[np.ndarray]) -> np.ndarray:
-    ids = np.concatenate(seqs)[None, :]
-    lengths = np.array([[len(s) for s in seqs]], dtype=np.int32)
-    a = mod.InferInput("INPUT_IDS", list(ids.shape), "INT64")
-    a.set_data_from_numpy(ids)
-    b = mod.InferInput("LENGTHS", list(lengths.shape), "INT32")
-    b.set_data_from_numpy(lengths)
-    return client.infer(f"{NAME}_encoder", [a, b]).as_numpy("SCORE")
-
-
 def run_scoring(client, mod, windows: TokenWindows, hf: HFReranker | None, n: int, length: int) -> dict:
     out = {}
     for batch in (5, 25, 50):
         inputs = [windows.ids(length, batch, seed=100 * batch + i) for i in range(10)]
-        row = {"pergola": time_latency(lambda x: infer_pairs(client, mod, x), inputs, n)}
+        row = {"pergola": time_latency(lambda x: infer_tokens(client, mod, x, "SCORE"), inputs, n)}
         if hf is not None:
-            ours, ref = infer_pairs(client, mod, inputs[0]), hf(inputs[0])
+            ours, ref = infer_tokens(client, mod, inputs[0], "SCORE"), hf(inputs[0])
             row["max_abs_diff_vs_hf"] = float(np.abs(ours - ref).max())
             row["hf"] = time_latency(hf, inputs, max(n // 4, 10))
         out[batch] = row
