@@ -40,3 +40,42 @@ def test_serve_command_serves_embed(tmp_path, minilm_folder, reference):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_serve_recovers_when_the_encoder_stub_dies(tmp_path, minilm_folder, reference):
+    """Kill the encoder's Python stub under `pergola serve`: requests fail briefly, then the
+    supervisor reloads the model and answers are correct again."""
+    import os
+    import signal
+    import time
+
+    from pergola.server import free_port, wait_ready
+    from pergola.supervisor import live_stubs, stub_pids
+    from pergola_client import PergolaClient
+
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    repo = tmp_path / "repo"
+    cmd = [sys.executable, "-m", "pergola.cli", "serve", "--model", f"mini={minilm_folder}", "--repo", str(repo),
+           "--device", "cpu", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    proc = subprocess.Popen(cmd, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_ready(http, proc, timeout=240)
+        assert live_stubs(repo) == {"mini_tokenizer": 2, "mini_encoder": 1}
+        [stub] = stub_pids(repo)["mini_encoder"]
+        os.kill(stub, signal.SIGKILL)
+        deadline, out = time.monotonic() + 120, None
+        with PergolaClient(f"127.0.0.1:{grpc}") as client:
+            while time.monotonic() < deadline:
+                try:
+                    out = client.embed(TEXTS[:2])
+                    break
+                except Exception:  # noqa: BLE001 - "stub not healthy" until the reload is done
+                    time.sleep(1)
+        assert out is not None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert cosine_rows(out, reference[:2]).min() >= 0.9999
+        assert stub_pids(repo)["mini_encoder"] != [stub]
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+

@@ -93,13 +93,15 @@ def build_repo(args: argparse.Namespace) -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from pergola.server import ServerOptions, exec_foreground
+    from pergola.server import ServerOptions, exec_foreground, serve_supervised
 
     repo = build_repo(args)
-    exec_foreground(ServerOptions(
-        repo=repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        model_control=args.model_control, log_verbose=args.log_verbose,
-    ))
+    opts = ServerOptions(repo=repo, http_port=args.http_port, grpc_port=args.grpc_port,
+                         metrics_port=args.metrics_port, model_control=args.model_control,
+                         log_verbose=args.log_verbose)
+    if args.model_control == "explicit":
+        raise SystemExit(serve_supervised(opts))
+    exec_foreground(opts)
 
 
 def embed(args: argparse.Namespace) -> None:
@@ -139,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--http-port", type=int, default=int(_env("http_port", 8000)))
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 8001)))
     p.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 8002)))
-    p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none")
+    p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="explicit",
+                   help="explicit (default): repository API on, and a supervisor reloads a model whose "
+                        "Python stub died; none: load everything once, no reloads")
     p.add_argument("--log-verbose", type=int, default=0)
     p.set_defaults(func=serve)
 

@@ -109,6 +109,7 @@ def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
         f"--backend-config=python,shm-default-byte-size={opts.shm_bytes}",
         f"--backend-config=python,shm-growth-byte-size={opts.shm_bytes}",
         "--strict-readiness=true",
+        *(["--load-model=*"] if opts.model_control == "explicit" else []),
         *opts.extra,
     ]
 
@@ -144,6 +145,36 @@ def start(opts: ServerOptions, log_path: Path | None = None) -> subprocess.Popen
     install = TritonInstall.prepare()
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
     return subprocess.Popen(server_command(install, opts), env=install.env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def serve_supervised(opts: ServerOptions) -> int:
+    """Run tritonserver in the foreground with the stub supervisor beside it (`make serve`).
+
+    Explicit model control lets the supervisor reload a model whose Python stub died; SIGINT and
+    SIGTERM go to tritonserver, whose exit code this returns.
+    """
+    import signal
+    import threading
+
+    from pergola.supervisor import supervise
+
+    install = TritonInstall.prepare()
+    cmd = server_command(install, opts)
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=install.env())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+
+    def watch() -> None:
+        try:
+            wait_ready(opts.http_port, proc, timeout=600)
+        except ServerError:
+            return
+        supervise(opts.repo, opts.http_port, alive=lambda: proc.poll() is None)
+
+    if opts.model_control == "explicit":
+        threading.Thread(target=watch, name="pergola-supervisor", daemon=True).start()
+    return proc.wait()
 
 
 def exec_foreground(opts: ServerOptions) -> None:
