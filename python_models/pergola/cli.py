@@ -51,6 +51,10 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
                    help="token budget of one forward step")
     p.add_argument("--max-texts", type=int, default=int(_env("max_texts", 1024)),
                    help="most texts one request may carry")
+    p.add_argument("--max-queue-size", type=int, default=int(_env("max_queue_size", 256)),
+                   help="encoder requests that may wait; more are refused at once (UNAVAILABLE, retry)")
+    p.add_argument("--queue-timeout-ms", type=int, default=int(_env("queue_timeout_ms", 0)),
+                   help="refuse requests that waited longer than this in the encoder queue (0: no limit)")
     p.add_argument("--no-truncate", action="store_true", default=_env("no_truncate", "") == "1",
                    help="refuse texts over the model's limit instead of truncating them")
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
@@ -85,7 +89,8 @@ def build_repo(args: argparse.Namespace) -> Path:
             truncate=not args.no_truncate, attention_backend=args.attention_backend,
             eager_attention_backend=args.eager_attention_backend,
             enforce_eager=args.enforce_eager, query_prompt=args.query_prompt, task=args.task,
-            document_prompt=args.document_prompt,
+            document_prompt=args.document_prompt, max_queue_size=args.max_queue_size,
+            queue_timeout_ms=args.queue_timeout_ms,
         ))
     repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device))
     print(f"repository: {repo} (models: {', '.join(e.name for e in entries)})")

@@ -33,7 +33,8 @@ class ModelEntry:
     config: EngineConfig
     tokenizer_instances: int = 2
     max_batch_requests: int = 64
-    max_queue_size: int = 256
+    max_queue_size: int = 256  # encoder requests waiting; more are refused at once (UNAVAILABLE)
+    queue_timeout_ms: int = 0  # refuse requests that waited longer (0: no limit)
     settings: dict[str, str] = field(default_factory=dict)
 
 
@@ -98,7 +99,7 @@ def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
         (mdir / "config.pbtxt").write_text(_render(
             template, name=name, parameters=block, instance_kind=instance_kind,
             tokenizer_instances=entry.tokenizer_instances, max_batch_requests=entry.max_batch_requests,
-            max_queue_size=entry.max_queue_size,
+            max_queue_size=entry.max_queue_size, queue_timeout_us=entry.queue_timeout_ms * 1000,
         ))
         _write_version(mdir, adapter, spec.path)
     write_ensemble(repo, name, name, ens_template)
@@ -134,8 +135,11 @@ def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, cle
     return repo
 
 
-def entry_from_folder(folder: str | Path, name: str | None = None, **settings: object) -> ModelEntry:
+def entry_from_folder(folder: str | Path, name: str | None = None, max_queue_size: int = 256,
+                      queue_timeout_ms: int = 0, **settings: object) -> ModelEntry:
+    """A model of the repository: `settings` are EngineConfig fields, the rest Triton's."""
     load_model_spec(folder)  # validate early
     cfg = EngineConfig(model_dir=str(Path(folder).expanduser().resolve()),
                        **{k: v for k, v in settings.items() if v is not None})
-    return ModelEntry(name=name or model_name_for(folder), config=cfg)
+    return ModelEntry(name=name or model_name_for(folder), config=cfg, max_queue_size=max_queue_size,
+                      queue_timeout_ms=queue_timeout_ms)
