@@ -79,3 +79,57 @@ def test_serve_recovers_when_the_encoder_stub_dies(tmp_path, minilm_folder, refe
         proc.terminate()
         proc.wait(timeout=60)
 
+
+
+def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, reference):
+    """Steady traffic while `pergola add-version` loads version 2 (CLS instead of mean pooling):
+    no request fails, and afterwards answers come from version 2."""
+    import threading
+    import time
+
+    from conftest import derived_folder
+    from pergola.server import free_port, wait_ready
+    from pergola_client import PergolaClient
+    from sentence_transformers import SentenceTransformer
+
+    v2 = derived_folder(minilm_folder, tmp_path / "v2", pooling={"pooling_mode_mean_tokens": False,
+                                                                 "pooling_mode_cls_token": True})
+    expected_v2 = SentenceTransformer(str(v2), device="cpu").encode(TEXTS[:2])
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    repo = tmp_path / "repo"
+    cmd = [sys.executable, "-m", "pergola.cli", "serve", "--model", f"mini={minilm_folder}", "--repo", str(repo),
+           "--device", "cpu", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    proc = subprocess.Popen(cmd, stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    results: list = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with PergolaClient(f"127.0.0.1:{grpc}") as client:
+            while not stop.is_set():
+                try:
+                    results.append(client.embed(TEXTS[:2]))
+                except Exception as e:  # noqa: BLE001 - a failure is what this test looks for
+                    results.append(e)
+                time.sleep(0.02)
+
+    try:
+        wait_ready(http, proc, timeout=240)
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        time.sleep(1.0)
+        subprocess.run([sys.executable, "-m", "pergola.cli", "add-version", "--repo", str(repo), "--name", "mini",
+                        "--model", str(v2), "--url", f"http://127.0.0.1:{http}"], check=True, timeout=300)
+        time.sleep(1.0)
+        stop.set()
+        thread.join(timeout=60)
+        with PergolaClient(f"127.0.0.1:{grpc}") as client:
+            after = client.embed(TEXTS[:2])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    failures = [r for r in results if isinstance(r, Exception)]
+    assert not failures, failures[:3]
+    assert len(results) > 10
+    assert cosine_rows(results[0], reference[:2]).min() >= 0.9999  # version 1 before the swap
+    assert cosine_rows(after, expected_v2).min() >= 0.9999  # version 2 after it
+    assert cosine_rows(after, reference[:2]).min() < 0.99

@@ -122,6 +122,23 @@ def embed(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def add_version(args: argparse.Namespace) -> None:
+    """New version of a served model, loaded through the repository API when --url is given."""
+    import urllib.request
+
+    from pergola.repo_builder import add_version as add
+
+    version = add(args.repo, args.name, args.model)
+    print(f"{args.name}: version {version} written under {args.repo}")
+    if args.url:
+        for part in ("encoder", "tokenizer"):  # the encoder first: it must accept the new ids
+            req = urllib.request.Request(f"{args.url.rstrip('/')}/v2/repository/models/{args.name}_{part}/load",
+                                         data=b"{}", method="POST")
+            with urllib.request.urlopen(req, timeout=600) as r:
+                r.read()
+            print(f"{args.name}_{part}: version {version} loaded")
+
+
 def rerank(args: argparse.Namespace) -> None:
     from pergola_client import PergolaClient
 
@@ -161,6 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dimensions", type=int, default=None)
     p.add_argument("--normalize", choices=["true", "false"], default=None)
     p.set_defaults(func=embed)
+
+    p = sub.add_parser("add-version", help="add a version of a served model (new weights) and load it")
+    p.add_argument("--repo", default=_env("repo", "model_repository"))
+    p.add_argument("--name", required=True, help="the model's name in the repository")
+    p.add_argument("--model", required=True, help="HF folder of the new version")
+    p.add_argument("--url", default=None, help="http://host:8000 of a server in explicit model-control mode")
+    p.set_defaults(func=add_version)
 
     p = sub.add_parser("rerank", help="score DOCUMENT... against QUERY with a running server; prints JSON")
     p.add_argument("query")

@@ -106,6 +106,31 @@ def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
     return spec.task
 
 
+def add_version(repo: str | Path, name: str, folder: str | Path) -> int:
+    """Add version N+1 of model NAME (tokenizer and encoder) serving `folder`; returns N+1.
+
+    The adapter is the latest version's; settings (config.pbtxt parameters) stay. With the
+    default version policy (latest 1), loading NAME_encoder then NAME_tokenizer through the
+    repository API swaps the served version; Triton unloads the old one once the new is ready.
+    """
+    repo = Path(repo).expanduser().resolve()
+    hf = Path(folder).expanduser().resolve()
+    load_model_spec(hf)  # a broken folder fails here, not in the server
+    versions = []
+    for part in ("tokenizer", "encoder"):
+        mdir = repo / f"{name}_{part}"
+        existing = sorted(int(p.name) for p in mdir.glob("[0-9]*") if p.name.isdigit())
+        if not existing:
+            raise ValueError(f"{mdir} has no version to start from; build the repository first")
+        latest, new = mdir / str(existing[-1]), mdir / str(existing[-1] + 1)
+        new.mkdir()
+        shutil.copyfile(latest / "model.py", new / "model.py")
+        _link(new / "hf", hf)
+        _link(new / "pergola", PACKAGE_DIR)
+        versions.append(existing[-1] + 1)
+    return max(versions)
+
+
 def write_ensemble(repo: Path, ensemble: str, name: str, template: str) -> None:
     edir = repo / ensemble
     (edir / "1").mkdir(parents=True, exist_ok=True)
