@@ -16,7 +16,8 @@ RUN pip install --no-cache-dir "numpy<2" torch tokenizers safetensors "tritoncli
  && pip install --no-cache-dir --no-deps -e . \
  && (pip install --no-cache-dir flashinfer-python || echo "flashinfer-python not installed: PyTorch FA2 is used")
 
-ENV PERGOLA_REPO=/opt/model_repository
+# `pergola serve` runs the image's own tritonserver (PERGOLA_TRITON_ROOT) in explicit model-control
+# mode with the stub supervisor; the repository is generated from the mounted folder at start.
+ENV PERGOLA_TRITON_ROOT=/opt/tritonserver PERGOLA_REPO=/opt/model_repository PERGOLA_DEVICE=gpu
 EXPOSE 8000 8001 8002
-# Build the repository from the mounted folder, then run the image's tritonserver.
-CMD ["sh", "-c", "pergola build-repo --model ${PERGOLA_MODEL_NAME:-default}=/models/default --device gpu --repo ${PERGOLA_REPO} && exec tritonserver --model-repository=${PERGOLA_REPO} --backend-config=python,shm-default-byte-size=67108864"]
+CMD ["sh", "-c", "exec pergola serve --model ${PERGOLA_MODEL_NAME:-default}=/models/default"]

@@ -56,6 +56,9 @@ class TritonInstall:
         root = _pytriton_root()
         server = root / "tritonserver"
         binary = server / "bin" / "tritonserver"
+        if (server / "backends" / "python" / "triton_python_backend_stub").is_file():
+            # A complete install (the NGC image's /opt/tritonserver): use its backends as they are.
+            return cls(binary=binary, backend_dir=server / "backends", lib_dirs=[])
         pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
         stub = server / "python_backend_stubs" / pyver / "triton_python_backend_stub"
         if not stub.is_file():
