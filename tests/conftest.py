@@ -160,3 +160,13 @@ def derived_folder(src: Path, dst: Path, prompts: dict[str, str] | None = None,
     (dst / "1_Pooling").mkdir()
     (dst / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
     return dst
+
+
+def qwen3_folders_or_skip(root: Path, shape: str, dtype: str) -> dict[str, Path]:
+    """Both Qwen3 variants (causal-last, bidirectional-mean) in `shape`; skip without the tokenizer."""
+    from pergola.testing import VARIANTS, TokenizerUnavailable, make_qwen3_folder
+
+    try:
+        return {v: make_qwen3_folder(root / v, shape, v, seed=0, dtype=dtype) for v in VARIANTS}
+    except TokenizerUnavailable as e:
+        pytest.skip(f"the real Qwen3 tokenizer is not available: {e}")

@@ -13,23 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TEXTS, cosine_rows
+from conftest import TEXTS, cosine_rows, qwen3_folders_or_skip
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
 from pergola.hf_folder import load_model_spec
 from pergola.pooling import finish
-from pergola.testing import EOS_ID, QUERY_PROMPT, TokenizerUnavailable, make_qwen3_folder
+from pergola.testing import EOS_ID, QUERY_PROMPT
 from pergola.tokenization import TextTokenizer
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qwen3")
-    try:
-        return {v: make_qwen3_folder(root / v, "tiny", v, seed=0, dtype="float32")
-                for v in ("causal-last", "bidirectional-mean")}
-    except TokenizerUnavailable as e:
-        pytest.skip(f"the real Qwen3 tokenizer is not available: {e}")
+    return qwen3_folders_or_skip(tmp_path_factory.mktemp("qwen3"), "tiny", "float32")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TEXTS
 from pergola.errors import RequestError
 from pergola.hf_folder import load_model_spec
 from pergola.rerank import (
@@ -26,19 +27,8 @@ from pergola.rerank import (
 from pergola.testing import EOS_ID, TokenizerUnavailable, make_cross_encoder_folder, make_qwen3_reranker_folder
 
 QUERY = "What is the capital of France?"
-DOCUMENTS = [
-    "Paris is the capital and most populous city of France.",
-    "Paris is the capital and most populous city of France. " * 80,  # truncated at 512 tokens
-    "北京是中华人民共和国的首都。",
-    "Москва — столица России.",
-    "القاهرة هي عاصمة مصر",
-    "नई दिल्ली भारत की राजधानी है।",
-    "🚀🔥 emoji-only and mixed 👩‍💻 text ✨",
-    "   \t  ",
-    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    "MiXeD CaSe, punctuation!!! ??? ... and numbers 3.14159",
-    "a",
-]
+# The embedding tests' texts, with the long one doubled so that pairs are cut at 512 tokens.
+DOCUMENTS = [TEXTS[0], TEXTS[1] * 2, *TEXTS[2:]]
 QUERIES = [QUERY, "Quelle est la capitale de la France ? 🇫🇷", "首都はどこですか", "x"]
 
 

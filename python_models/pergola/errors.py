@@ -20,3 +20,17 @@ def decode_utf8(raw: list[bytes], what: str = "TEXT") -> list[str]:
                 "send text encoded as UTF-8"
             ) from None
     return out
+
+
+def check_strings(items: list[str], name: str, noun: str, limit: int) -> None:
+    """A request's list of strings (TEXT, DOCUMENTS): at least one, at most `limit`, none empty."""
+    if not items:
+        raise RequestError(f"{name} is empty; send at least one {noun}")
+    if len(items) > limit:
+        raise RequestError(
+            f"{len(items)} {noun}s in one request; the limit is {limit}: split them over several "
+            "requests (or raise max_texts when building the repository)"
+        )
+    for i, item in enumerate(items):
+        if not item:
+            raise RequestError(f"{name}[{i}] is an empty string; every {noun} needs content")

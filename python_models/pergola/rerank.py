@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.errors import RequestError
+from pergola.errors import RequestError, check_strings
 from pergola.hf_folder import ModelFolderError, ModelSpec
 
 RerankKind = Literal["cross-encoder", "qwen3-reranker"]
@@ -112,19 +112,9 @@ class RerankTokenizer:
             self.yes_id, self.no_id = int(yes), int(no)
 
     def check_request(self, query: str, documents: list[str]) -> None:
-        if not documents:
-            raise RequestError("DOCUMENTS is empty; send at least one document to rank")
-        if len(documents) > self.max_documents:
-            raise RequestError(
-                f"{len(documents)} documents in one request; the limit is {self.max_documents}: "
-                "split the documents over several requests (or raise max_documents when building "
-                "the repository)"
-            )
+        check_strings(documents, "DOCUMENTS", "document", self.max_documents)
         if not query:
             raise RequestError("QUERY is an empty string; send the query to rank the documents against")
-        for i, doc in enumerate(documents):
-            if not doc:
-                raise RequestError(f"DOCUMENTS[{i}] is an empty string; every document needs content")
 
     def _query_too_long(self, used: int, room: int) -> RequestError:
         what = "the instruction and query take" if self.kind == "qwen3-reranker" else "the query takes"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.errors import RequestError
+from pergola.errors import RequestError, check_strings
 from pergola.hf_folder import ModelSpec
 
 
@@ -54,20 +54,8 @@ class TextTokenizer:
             self._prompt_skip[prompt] = len(self._whole.encode(prompt).ids) - 1
         return self._prompt_skip[prompt]
 
-    def check_texts(self, texts: list[str]) -> None:
-        if not texts:
-            raise RequestError("TEXT is empty; send at least one string")
-        if len(texts) > self.max_texts:
-            raise RequestError(
-                f"{len(texts)} texts in one request; the limit is {self.max_texts}: "
-                "split the request (or raise max_texts when building the repository)"
-            )
-        for i, text in enumerate(texts):
-            if not text:
-                raise RequestError(f"TEXT[{i}] is an empty string; every text needs content")
-
     def encode(self, texts: list[str], prompt_name: str | None = None, truncate: bool = True) -> Encoded:
-        self.check_texts(texts)
+        check_strings(texts, "TEXT", "text", self.max_texts)
         prompt = self.resolve_prompt(prompt_name)
         if prompt:
             texts = [prompt + t for t in texts]
