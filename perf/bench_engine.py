@@ -17,6 +17,7 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +232,23 @@ def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(1).min())
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """["fa3:attention_backend=flashinfer_fa3,max_batch_tokens=32768"] -> {"fa3": {...}} (typed)."""
+    types = {f.name: f.type for f in fields(EngineConfig)}
+    out: dict[str, dict] = {}
+    for spec in specs:
+        label, _, body = spec.partition(":")
+        overrides: dict = {}
+        for item in filter(None, body.split(",")):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise SystemExit(f"--variant {spec}: {key} is not an EngineConfig field")
+            overrides[key] = int(value) if types[key] == "int" else \
+                value.lower() in ("1", "true", "yes") if types[key] == "bool" else value
+        out[label] = overrides
+    return out
+
+
 def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops: float) -> dict:
     folder = model_folder(name, workdir)
     spec = load_model_spec(folder)
@@ -240,45 +258,50 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     sync()
     load_s = time.perf_counter() - t0
     eager = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", enforce_eager=True))
-    alt = None  # the same engine with another kernel for big eager steps, if asked
-    if args.eager_attention_backend != "auto":
-        alt = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16",
-                                  eager_attention_backend=args.eager_attention_backend))
+    # The same engine with other settings ("NAME:field=value,field=value"), timed side by side.
+    variants = {label: Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", **overrides))
+                for label, overrides in parse_variants(args.variant).items()}
     hf = HFBaseline(folder, spec.pooling, spec.normalize)
-    res: dict = {"model": name, "folder": str(folder), "engine_load_s": load_s, "latency": {}, "throughput": {}}
+    runner = engine.runner
+    res: dict = {"model": name, "folder": str(folder), "engine_load_s": load_s, "latency": {}, "throughput": {},
+                 "attention": {"graph": runner.attn.name, "eager": runner.eager_attn.name,
+                               "probe_us": None if runner.probe is None else runner.probe.micros},
+                 "variants": parse_variants(args.variant)}
+    print(f"{name}: loaded in {load_s:.1f} s; attention {res['attention']}", flush=True)
     n = args.latency_n
     for length in LAT_LENGTHS[name]:
         inputs = [[s] for s in windows.ids(length, 20, seed=length)]
         check = cosine_min(pergola_embed(engine, inputs[0]), hf(inputs[0]))
-        res["latency"][length] = {
+        lat = res["latency"][length] = {
             "pergola_graph": time_latency(lambda x: pergola_embed(engine, x), inputs, n),
             "pergola_eager": time_latency(lambda x: pergola_embed(eager, x), inputs, n),
             "hf": time_latency(hf, inputs, max(n // 4, 10)),
             "min_cosine_vs_hf": check,
         }
-        lat = res["latency"][length]
+        for label, var in variants.items():
+            lat[label] = time_latency(lambda x: pergola_embed(var, x), inputs, n)
+            lat[label]["min_cosine_vs_hf"] = cosine_min(pergola_embed(var, inputs[0]), hf(inputs[0]))
+        extra = "".join(f", {label} {lat[label]['p50']:.2f} ms" for label in variants)
         print(f"{name} batch-1 {length:5d} tok: graph p50 {lat['pergola_graph']['p50']:.2f} ms, eager "
-              f"{lat['pergola_eager']['p50']:.2f} ms, HF {lat['hf']['p50']:.2f} ms, cos {check:.5f}", flush=True)
+              f"{lat['pergola_eager']['p50']:.2f} ms, HF {lat['hf']['p50']:.2f} ms{extra}, cos {check:.5f}",
+              flush=True)
     for length in TPUT_LENGTHS[name]:
         batch = windows.ids(length, 100, seed=1000 + length)
         check = cosine_min(pergola_embed(engine, batch), hf(batch))
         p = time_throughput(lambda x: pergola_embed(engine, x), batch)
         h = time_throughput(hf, batch)
         limit = limit_tflops * 1e12 / flops_per_token(spec.hf_config, length, spec.causal)
-        if alt is not None:
-            cos_alt = cosine_min(pergola_embed(alt, batch), hf(batch))
-            p_alt = time_throughput(lambda x: pergola_embed(alt, x), batch) | {"min_cosine_vs_hf": cos_alt}
-            print(f"{name} 100 x {length:5d} tok, eager attention {args.eager_attention_backend}: "
-                  f"{p_alt['embeddings_per_s']:.0f} emb/s ({p_alt['tokens_per_s'] / 1e3:.0f}k tok/s), "
-                  f"cos {cos_alt:.5f}", flush=True)
-        res["throughput"][length] = {"pergola": p, "hf": h, "min_cosine_vs_hf": check,
-                                     f"pergola_eager_{args.eager_attention_backend}": None if alt is None else p_alt,
-                                     "compute_limit_tokens_per_s": limit,
-                                     "fraction_of_limit": p["tokens_per_s"] / limit,
-                                     "ratio_vs_hf": p["tokens_per_s"] / h["tokens_per_s"]}
+        row = res["throughput"][length] = {"pergola": p, "hf": h, "min_cosine_vs_hf": check,
+                                           "compute_limit_tokens_per_s": limit,
+                                           "fraction_of_limit": p["tokens_per_s"] / limit,
+                                           "ratio_vs_hf": p["tokens_per_s"] / h["tokens_per_s"]}
+        for label, var in variants.items():
+            row[label] = time_throughput(lambda x: pergola_embed(var, x), batch)
+            row[label]["min_cosine_vs_hf"] = cosine_min(pergola_embed(var, batch), hf(batch))
+        extra = "".join(f", {label} {row[label]['embeddings_per_s']:.0f}" for label in variants)
         print(f"{name} 100 x {length:5d} tok: pergola {p['embeddings_per_s']:.0f} emb/s "
               f"({p['tokens_per_s'] / 1e3:.0f}k tok/s, {p['tokens_per_s'] / limit:.0%} of limit), "
-              f"HF {h['embeddings_per_s']:.0f} emb/s, cos {check:.5f}", flush=True)
+              f"HF {h['embeddings_per_s']:.0f} emb/s{extra}, cos {check:.5f}", flush=True)
     if args.profile and DEVICE == "cuda":
         for length in (128, 512):
             table = profile_step(engine, windows.ids(length, 1, seed=3))
@@ -287,7 +310,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     graphs = engine.runner.graphs
     res["graph_stats"] = {} if graphs is None else vars(graphs.stats) | {"keys": sorted(graphs.stats.keys)}
     res["attention_backends"] = time_attention_backends(spec.hf_config, spec.causal, args.backends)
-    del engine, eager, hf, alt
+    del engine, eager, hf, variants
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -299,8 +322,9 @@ def main() -> None:
     p.add_argument("--out", default="perf/out/engine.json")
     p.add_argument("--workdir", default=None, help="where generated model folders go")
     p.add_argument("--latency-n", type=int, default=100)
-    p.add_argument("--eager-attention-backend", default="auto",
-                   help="also time throughput with this backend for steps above the graph crossover")
+    p.add_argument("--variant", nargs="*", default=[], metavar="LABEL:FIELD=VALUE[,FIELD=VALUE]",
+                   help="also time the engine with these EngineConfig overrides, e.g. "
+                        "fa3:attention_backend=flashinfer_fa3 budget32k:max_batch_tokens=32768")
     p.add_argument("--profile", action="store_true", help="print the top kernels of batch-1 steps")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the script")
     p.add_argument("--backends", nargs="+", default=["torch_flash", "sdpa", "flashinfer_fa2", "flashinfer_fa3"])

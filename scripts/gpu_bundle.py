@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -55,6 +56,13 @@ WHEELS = [
     ("grpcio==1.85.3", "if:grpcio>=1.81.1"),
 ]
 FLASHINFER = "flashinfer-python==0.5.3"
+# FlashInfer JIT-compiles its kernels on first use (fa2 ~21 s, fa3 ~66 s on the H200). When nvcc is
+# here, the bundle carries them prebuilt for Hopper instead: the modules pergola's flashinfer_fa2 /
+# flashinfer_fa3 backends load for BF16 with head_dim 128 (Qwen3), as FlashInfer's "AOT" modules.
+FLASHINFER_ARCH = "9.0a"
+FLASHINFER_AOT = [("fa2", 128), ("fa3", 128)]
+FLASHINFER_IMPORT_DEPS = ["nvidia-ml-py", "einops", "tabulate", "requests", "tqdm", "packaging", "click",
+                          "filelock", "ninja"]
 PERF_CLIENT = "tritonclient==2.41.1"  # the last wheel that ships perf_analyzer
 
 
@@ -266,6 +274,90 @@ def build_qwen3_tokenizer() -> Path:
     return out
 
 
+_AOT_BUILD = """
+import sys, torch
+from flashinfer.jit.attention import gen_batch_prefill_module
+for backend, head_dim in [tuple(a.split(":")) for a in sys.argv[1:]]:
+    spec = gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32,
+                                    int(head_dim), int(head_dim), 0, False, False, False)
+    print(f"  nvcc: {spec.name} ({backend})", flush=True)
+    spec.build(verbose=False)
+    print(spec.jit_library_path, flush=True)
+"""
+
+
+def cuda_home_for_build() -> Path:
+    """A CUDA home FlashInfer's build works with on a machine without a GPU or a full toolkit.
+
+    FlashInfer compiles with -I$CUDA_HOME/include (the FA3 template also wants cuRAND's headers)
+    and links -L$CUDA_HOME/lib64 -L$CUDA_HOME/lib64/stubs -lcudart -lcuda. nvcc installs may lack
+    cuRAND, keep libraries in lib/ and ship no driver stub, so this builds a symlink farm over the
+    toolkit, adds cuRAND's headers from the `nvidia-curand` wheel and an empty libcuda.so stub
+    (soname libcuda.so.1): the real driver resolves the symbols on the GPU host, as with the
+    toolkit's own stub.
+    """
+    # nvcc may be a wrapper script: its dry run names the real bin directory.
+    r = subprocess.run(["nvcc", "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                       capture_output=True, text=True)
+    m = re.search(r"_HERE_=(\S+)", r.stderr + r.stdout)
+    toolkit = (Path(m.group(1)) if m else Path(shutil.which("nvcc")).resolve().parent).parent
+    home = REPO / ".cache" / "fi-aot" / "cuda-home"
+    if (home / ".done").is_file():
+        return home
+    shutil.rmtree(home, ignore_errors=True)
+    (home / "lib64" / "stubs").mkdir(parents=True)
+    (home / "include").mkdir()
+    for name in ("bin", "nvvm", "targets"):
+        if (toolkit / name).exists():
+            (home / name).symlink_to(toolkit / name)
+    for entry in (toolkit / "include").iterdir():
+        (home / "include" / entry.name).symlink_to(entry)
+    for lib_dir in (toolkit / "lib64", toolkit / "lib"):
+        for lib in lib_dir.glob("libcudart*") if lib_dir.is_dir() else []:
+            if not (home / "lib64" / lib.name).exists():
+                (home / "lib64" / lib.name).symlink_to(lib)
+    with zipfile.ZipFile(download("nvidia-curand")) as z:
+        for n in z.namelist():
+            if "/include/curand" in n and not (home / "include" / Path(n).name).exists():
+                (home / "include" / Path(n).name).write_bytes(z.read(n))
+    subprocess.run(["cc", "-shared", "-x", "c", "-", "-o", str(home / "lib64" / "stubs" / "libcuda.so"),
+                    "-Wl,-soname,libcuda.so.1"], input="", text=True, check=True)
+    (home / ".done").write_text(str(toolkit))
+    return home
+
+
+def build_flashinfer_aot(fi_whl: Path, tvm_whl: Path) -> Path | None:
+    # The modules are C ABI (tvm-ffi), not tied to a Python version: they build with this interpreter.
+    """tar.xz of prebuilt FlashInfer modules (<name>/<name>.so, unpacked into flashinfer/data/aot)."""
+    out = CACHE / f"flashinfer-aot-{sha256_file(fi_whl)[:12]}-sm{FLASHINFER_ARCH.replace('.', '')}.tar.xz"
+    if out.is_file():
+        return out
+    if not shutil.which("nvcc"):
+        log("  no nvcc here: FlashInfer kernels will be JIT-compiled on the GPU host at first use")
+        return None
+    site, work = REPO / ".cache" / "fi-aot" / "site", REPO / ".cache" / "fi-aot" / "ws"
+    if not (site / "flashinfer").is_dir():
+        tvm = "apache-tvm-ffi==" + tvm_whl.name.split("-")[1]  # this interpreter's build of the same version
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                        str(fi_whl), tvm], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(site)]
+                       + FLASHINFER_IMPORT_DEPS, check=True)
+    log(f"  compiling FlashInfer prefill modules for sm{FLASHINFER_ARCH} with nvcc (several minutes on 2 cores)")
+    env = dict(os.environ, PYTHONPATH=str(site), FLASHINFER_CUDA_ARCH_LIST=FLASHINFER_ARCH,
+               FLASHINFER_WORKSPACE_BASE=str(work), CUDA_HOME=str(cuda_home_for_build()))
+    r = subprocess.run([sys.executable, "-c", _AOT_BUILD] + [f"{b}:{d}" for b, d in FLASHINFER_AOT],
+                       env=env, stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        log("  FlashInfer AOT build failed: the GPU host will JIT-compile instead")
+        return None
+    libs = [Path(line) for line in r.stdout.splitlines() if line.endswith(".so")]
+    with tarfile.open(out.with_suffix(".partial"), "w:xz", preset=9) as tar:
+        for lib in libs:
+            _add(tar, f"{lib.parent.name}/{lib.name}", lib.read_bytes(), 0o755)
+    out.with_suffix(".partial").rename(out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # packing into parts
 
@@ -378,7 +470,11 @@ def main() -> None:
     wheels = list(WHEELS)
     if args.with_flashinfer:
         fi = download(FLASHINFER)
-        wheels += [(FLASHINFER, "site"), (wheel_requires(fi, "apache-tvm-ffi"), "site")]
+        tvm = wheel_requires(fi, "apache-tvm-ffi")
+        wheels += [(FLASHINFER, "site"), (tvm, "site")]
+        aot = build_flashinfer_aot(fi, download(tvm))
+        if aot is not None:
+            items.append(Item("flashinfer-aot.tar.xz", aot, "fiaot {file}"))
     for req, where in wheels:
         whl = download(req)
         items.append(Item(f"wheels/{whl.name}", whl, f"wheel {where} {{file}}"))

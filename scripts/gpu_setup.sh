@@ -118,6 +118,9 @@ while read -r kind a b c d e f <&3; do
         if:*) if host_satisfies "${a#if:}"; then :; else install_wheel "$PART/$b" "$SITE"; fi ;;
         *) say "unknown wheel target $a" >&2; exit 2 ;;
       esac ;;
+    fiaot)  # prebuilt FlashInfer kernels: FlashInfer loads <site>/flashinfer/data/aot/<name>/<name>.so first
+      mkdir -p "$SITE/flashinfer/data/aot"; tar -xJf "$PART/$a" -C "$SITE/flashinfer/data/aot"
+      say "  FlashInfer prebuilt kernels -> $SITE/flashinfer/data/aot" ;;
     model) mkdir -p "$G/models"; tar -xzf "$PART/$a" -C "$G/models"; say "  model files -> $G/models" ;;
     cache) mkdir -p "$G/cache"; tar -xJf "$PART/$a" -C "$G/cache"; say "  pergola cache (Qwen3 tokenizer) -> $G/cache" ;;
     perf)

@@ -109,6 +109,35 @@ def test_qwen3_0_6b_bidirectional_mean_matches_transformers(qwen3_folders):
     assert cosine_rows(embed_prompt(engine, TEXTS, None), ref).min() >= 0.999
 
 
+@pytest.mark.parametrize("backend", ["flashinfer_fa2", "flashinfer_fa3"])
+def test_flashinfer_inside_graphs_matches_eager(qwen3_folders, backend):
+    """Replays of one bucket with different lengths re-plan FlashInfer into the same buffers."""
+    pytest.importorskip("flashinfer")
+    folder = qwen3_folders["causal-last"]
+    ref = Engine(EngineConfig(model_dir=str(folder), device="cuda", enforce_eager=True))
+    # A small token budget splits each request into several pipelined steps.
+    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend=backend,
+                              max_batch_tokens=192))
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        texts = [TEXTS[i] for i in rng.choice(len(TEXTS), size=5, replace=False)]
+        assert cosine_rows(embed(eng, texts), embed(ref, texts)).min() >= 0.999
+    stats = eng.runner.graphs.stats
+    assert stats.replays > 0 and stats.captures > 0
+    assert len(eng.runner.attn.graphed) >= len(stats.keys)
+
+
+def test_auto_attention_probes_available_kernels(qwen3_folders):
+    from pergola.layers.attention_probe import candidates
+
+    engine = Engine(EngineConfig(model_dir=str(qwen3_folders["causal-last"]), device="cuda"))
+    probe = engine.runner.probe
+    assert probe is not None and probe.graph in candidates(128, torch.bfloat16)
+    assert engine.runner.attn.name == probe.graph and engine.runner.eager_attn.name == probe.eager
+    if len(probe.backends) > 1:
+        assert all(us > 0 for timings in probe.micros.values() for us in timings.values())
+
+
 # --- fused kernels against their PyTorch references ------------------------------------------
 def test_fused_kernels_match_references():
     from pergola.layers import fused

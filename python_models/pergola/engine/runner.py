@@ -19,6 +19,8 @@ from pergola.engine.graphs import GraphCache
 from pergola.engine.lazy import LazyTensor
 from pergola.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
+from pergola.layers.attention_probe import ProbeResult
+from pergola.layers.attention_probe import probe as probe_attention
 from pergola.models import build_model
 from pergola.pooling import pool
 
@@ -116,11 +118,8 @@ class ModelRunner:
         self.device = device
         self.dtype = DTYPES[cfg.compute_dtype]
         self.model = build_model(spec, device, self.dtype)
-        self.attn = make_backend(cfg.attention_backend, device, self.dtype)
-        # Large eager steps may use another kernel (FlashInfer: faster at 16k-token steps, but
-        # JIT-compiled on first use, so opt-in: `eager_attention_backend`).
-        self.eager_attn = (self.attn if cfg.eager_attention_backend in ("", "auto")
-                           else make_backend(cfg.eager_attention_backend, device, self.dtype))
+        self.probe: ProbeResult | None = None
+        self.attn, self.eager_attn = self._attention_backends()
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
         # What a step returns per sequence: the pooled embedding, or a reranker's score(s).
         self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
@@ -137,11 +136,41 @@ class ModelRunner:
             if not getattr(self.attn, "needs_padding", False):
                 max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
                 self.buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, device)
-                # Backends that plan on the host each step (FlashInfer) run eagerly for now.
-                graph_safe = not getattr(self.attn, "needs_plan", False)
+                # Host-planned backends are graph-safe only if they re-plan into fixed buffers.
+                graph_safe = getattr(self.attn, "graph_safe", not getattr(self.attn, "needs_plan", False))
                 if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
                     self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
                                              max_seqs)
+
+    def attention_heads(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head dim) of the model's attention."""
+        cfg = self.spec.hf_config
+        heads = cfg["num_attention_heads"]
+        return heads, cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    def _attention_backends(self) -> tuple[AttentionBackend, AttentionBackend]:
+        """(backend of graph-sized steps, backend of large eager steps).
+
+        "auto" on a GPU in half precision measures the available kernels at start-up
+        (layers/attention_probe.py); an explicit name is used as given. Large eager steps may use
+        another kernel than graphs: `eager_attention_backend` ("auto": the probe's choice, or the
+        same as `attention_backend` when that is explicit).
+        """
+        cfg, device = self.cfg, self.device
+        if cfg.attention_backend == "auto" and device.type == "cuda" and self.dtype != torch.float32:
+            self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype)
+            attn = self.probe.backends[self.probe.graph]
+            eager_name = self.probe.eager
+        else:
+            attn = make_backend(cfg.attention_backend, device, self.dtype)
+            eager_name = attn.name
+        if cfg.eager_attention_backend not in ("", "auto"):
+            eager_name = cfg.eager_attention_backend
+        if eager_name == attn.name:
+            return attn, attn
+        if self.probe is not None and eager_name in self.probe.backends:
+            return attn, self.probe.backends[eager_name]
+        return attn, make_backend(eager_name, device, self.dtype)
 
     # --- CPU path -------------------------------------------------------------------------
     def prepare(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
@@ -177,13 +206,10 @@ class ModelRunner:
         b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal)
         self.buffers.pooled[:s].copy_(self.forward(b, attn))
 
-    def _plan(self, attn: AttentionBackend) -> None:
+    def _plan(self, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> None:
         """Host-side planning for backends that need it (FlashInfer), once per step."""
         if getattr(attn, "needs_plan", False):
-            cfg = self.spec.hf_config
-            heads = cfg["num_attention_heads"]
-            attn.plan(self.buffers.cu_seqlens_host, heads, cfg.get("num_key_value_heads", heads),
-                      cfg.get("head_dim") or cfg["hidden_size"] // heads, self.spec.causal)
+            attn.plan(self.buffers.cu_seqlens_host, *self.attention_heads(), self.spec.causal, graph_key=graph_key)
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
              token_types: np.ndarray | None = None) -> LazyTensor:
@@ -195,7 +221,7 @@ class ModelRunner:
         s, t = key or (num_seqs, num_tokens)
         self.buffers.fill(input_ids, lengths, skips, token_types, s, t)
         if key is not None:
-            self._plan(self.attn)
+            self._plan(self.attn, graph_key=key)
             self.last_mode = self.graphs.run(key)
         else:
             # Above the graph crossover: eager, with the backend measured fastest for big steps.

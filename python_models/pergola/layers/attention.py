@@ -113,32 +113,67 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
 
 
 class FlashInferAttention:
-    """FlashInfer's ragged prefill (`fa2` or `fa3` template). JIT-compiled on first use (21-66 s).
+    """FlashInfer's ragged prefill (`fa2` or `fa3` template), eager and inside CUDA graphs.
 
-    Planning is host work (it reads cu_seqlens on the CPU), so `plan()` runs once per step
-    before the forward, not per layer. Eager steps only for now: graph capture stays on the
-    PyTorch FA2 kernel, whose launch needs no host-side plan.
+    Planning is host work (it reads cu_seqlens on the CPU and writes a work schedule into an
+    int workspace), so `plan()` runs once per step before the forward, never per layer.
+    Eager steps share one wrapper that plans any batch. Each graph key (seqs, tokens) gets its
+    own wrapper in FlashInfer's CUDA-graph mode: fixed indptr buffers, a grid sized for the
+    key's worst case, and a schedule re-planned into the same addresses before every replay,
+    which is what makes the captured kernels valid for any later step of that bucket.
+    The float workspace (split-kv partials) is shared: kernels of one stream never overlap.
+    Kernels are JIT-compiled on first use (fa2 ~21 s, fa3 ~66 s on the H200) unless a
+    prebuilt module is installed (`scripts/gpu_bundle.py --with-flashinfer` ships them).
     """
 
     needs_padding = False
     needs_plan = True
+    graph_safe = True
 
     def __init__(self, backend: str, device: torch.device, dtype: torch.dtype, workspace_mb: int = 128) -> None:
         import flashinfer  # optional dependency: pip install flashinfer-python
 
+        self._flashinfer = flashinfer
         self.name = f"flashinfer_{backend}"
-        self.dtype = dtype
-        workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
-        self._planned: tuple | None = None
+        self.backend, self.device, self.dtype = backend, device, dtype
+        self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)
+        self.eager = self._wrapper(None)
+        self.graphed: dict[tuple[int, int], object] = {}
+        self.active = self.eager
+        self._planned: dict[int, tuple] = {}  # id(wrapper) -> what it was last planned for
+        self._copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan's upload
 
-    def plan(self, cu_seqlens_host: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool) -> None:
+    def _wrapper(self, num_seqs: int | None):
+        make = self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper
+        if num_seqs is None:
+            return make(self.workspace, "NHD", backend=self.backend)
+        qo = torch.zeros(num_seqs + 1, dtype=torch.int32, device=self.device)
+        return make(self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo,
+                    kv_indptr_buf=torch.zeros_like(qo), backend=self.backend)
+
+    def plan(self, cu_seqlens_host: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+             causal: bool, graph_key: tuple[int, int] | None = None) -> None:
+        """Schedule the next step; `graph_key` selects the wrapper a graph of that key replays."""
+        if graph_key is None:
+            wrapper = self.eager
+        else:
+            wrapper = self.graphed.get(graph_key)
+            if wrapper is None:
+                wrapper = self.graphed[graph_key] = self._wrapper(graph_key[0])
+        self.active = wrapper
         key = (tuple(cu_seqlens_host.tolist()), num_heads, num_kv_heads, head_dim, causal)
-        if key == self._planned:
+        if self._planned.get(id(wrapper)) == key:
             return
-        self.wrapper.plan(cu_seqlens_host, cu_seqlens_host, num_heads, num_kv_heads, head_dim,
-                          causal=causal, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self._planned = key
+        # plan() fills one pinned buffer and uploads it asynchronously: the previous upload
+        # from that buffer must have run before it is overwritten (steps are pipelined).
+        copied = self._copied.get(id(wrapper))
+        if copied is not None:
+            copied.synchronize()
+        wrapper.plan(cu_seqlens_host, cu_seqlens_host, num_heads, num_kv_heads, head_dim,
+                     causal=causal, q_data_type=self.dtype, kv_data_type=self.dtype)
+        event = self._copied.setdefault(id(wrapper), torch.cuda.Event())
+        event.record()
+        self._planned[id(wrapper)] = key
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.wrapper.run(q, k, v)
+        return self.active.run(q, k, v)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The measurements of one GPU-machine session, as named steps, each writing a log + JSON under $OUT.
+# Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
+# scripts/vllm_setup.sh for the vllm step):
+#     bash perf/gpu_session.sh tests engine        # one or more of: tests engine server scoring vllm
+# Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
+set -uo pipefail
+
+OUT=${OUT:-perf/out}
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source /tmp/pergola-gpu/env.sh
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+run() {  # NAME COMMAND...: echo, run, keep the log, never stop the remaining steps
+  local name=$1; shift
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$OUT/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+}
+
+for step in "$@"; do
+  case $step in
+    tests)  # the whole suite with the session server's encoders on the GPU, plus the gpu-marked tests
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests ;;
+    engine)  # engine level: start-up probe's choice vs each kernel forced, token budgets
+      run engine python3 perf/bench_engine.py --models qwen3-0.6b minilm --latency-n 40 \
+        --variant tf:attention_backend=torch_flash fa2:attention_backend=flashinfer_fa2 \
+                  fa3:attention_backend=flashinfer_fa3 b32k:max_batch_tokens=32768 \
+        --out "$OUT/engine.json" ;;
+    server)  # the seed suites through tritonserver: latency, throughput, concurrency, perf_analyzer
+      run server python3 perf/bench_server.py --model qwen3-0.6b --latency-n 60 --out "$OUT/server.json" ;;
+    scoring)  # the scoring suite on the Qwen3-Reranker-0.6B shape
+      run scoring python3 perf/bench_server.py --model qwen3-reranker-0.6b --suites scoring \
+        --out "$OUT/scoring.json" ;;
+    vllm)  # vLLM 0.22.0, the seeds' baseline: same models, same inputs, same GPU
+      # shellcheck disable=SC1091
+      (source /tmp/vllm-site/env.sh && run vllm python3 perf/bench_vllm.py --out "$OUT/vllm.json") ;;
+    *) echo "unknown step $step (tests engine server scoring vllm)" >&2; exit 2 ;;
+  esac
+done
