@@ -3,6 +3,7 @@
     from pergola_client import PergolaClient
     client = PergolaClient("localhost:8001")            # gRPC; protocol="http" for port 8000
     vectors = client.embed(["a query", "a document"])    # np.ndarray [2, dim] float32
+    codes = client.embed(["a query"], encoding="int8")    # [1, dim] int8; "binary": [1, dim/8] uint8
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+# encoding -> (output tensor, numpy dtype of its values); EMBEDDING_FP16 travels as UINT16 bits.
+ENCODINGS = {
+    "float32": ("EMBEDDING", np.float32),
+    "float16": ("EMBEDDING_FP16", np.float16),
+    "int8": ("EMBEDDING_INT8", np.int8),
+    "binary": ("EMBEDDING_BINARY", np.uint8),  # sign bits, np.packbits per row: [n, ceil(dim / 8)]
+    "ubinary": ("EMBEDDING_BINARY", np.uint8),  # the sentence-transformers / Cohere name of the same
+}
 
 
 class RerankResult(NamedTuple):
@@ -48,10 +57,20 @@ class PergolaClient:
         kwargs = {"client_timeout": self._timeout} if self._timeout and self.protocol == "grpc" else {}
         return self._client.infer(model, inputs, outputs=requested, **kwargs)
 
+    def _encoding(self, encoding: str, shape: list[int]) -> tuple[list[Any], str, type]:
+        """-> (inputs: ENCODING, none for float32 so that older servers answer too; output; dtype)."""
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+        output, dtype = ENCODINGS[encoding]
+        value = np.array([encoding.encode()], dtype=object).reshape(shape)
+        inputs = [] if encoding == "float32" else [self._input("ENCODING", value, "BYTES")]
+        return inputs, output, dtype
+
     def embed(self, texts: Sequence[str], prompt: str | None = None, dimensions: int | None = None,
               normalize: bool | None = None, truncate: bool | None = None,
-              model: str | None = None) -> np.ndarray:
-        """Embeddings [len(texts), dim] float32, row i for texts[i]."""
+              model: str | None = None, encoding: str = "float32") -> np.ndarray:
+        """Embeddings [len(texts), dim], row i for texts[i]: float32, float16, int8 (round(x * 127)
+        of the normalised vector), or binary: sign bits packed 8 dims a byte, [len(texts), ceil(dim / 8)] uint8."""
         data = np.array([t.encode("utf-8") if isinstance(t, str) else t for t in texts], dtype=object)
         inputs = [self._input("TEXT", data.reshape(-1), "BYTES")]
         if prompt is not None:
@@ -62,7 +81,8 @@ class PergolaClient:
             inputs.append(self._input("NORMALIZE", np.array([normalize], dtype=bool), "BOOL"))
         if truncate is not None:
             inputs.append(self._input("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
-        return self._infer(model or self.model, inputs, ["EMBEDDING"]).as_numpy("EMBEDDING")
+        encoding_inputs, output, dtype = self._encoding(encoding, [1])
+        return self._infer(model or self.model, inputs + encoding_inputs, [output]).as_numpy(output).view(dtype)
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                truncate: bool | None = None, model: str | None = None) -> RerankResult:
@@ -79,14 +99,16 @@ class PergolaClient:
         return RerankResult(result.as_numpy("SCORE"), result.as_numpy("INDICES"))
 
     def embed_tokens(self, token_ids: Sequence[Sequence[int]], model: str | None = None,
-                     dimensions: int | None = None) -> np.ndarray:
-        """Pre-tokenized input straight to an encoder model (`NAME_encoder`)."""
+                     dimensions: int | None = None, encoding: str = "float32") -> np.ndarray:
+        """Pre-tokenized input straight to an encoder model (`NAME_encoder`); `encoding` as in embed."""
         lengths = np.array([[len(t) for t in token_ids]], dtype=np.int32)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])[None, :]
         inputs = [self._input("INPUT_IDS", ids, "INT64"), self._input("LENGTHS", lengths, "INT32")]
         if dimensions is not None:
             inputs.append(self._input("DIMENSIONS", np.array([[dimensions]], dtype=np.int32), "INT32"))
-        return self._infer(model or f"{self.model}_encoder", inputs, ["EMBEDDING"]).as_numpy("EMBEDDING")
+        encoding_inputs, output, dtype = self._encoding(encoding, [1, 1])
+        result = self._infer(model or f"{self.model}_encoder", inputs + encoding_inputs, [output])
+        return result.as_numpy(output).view(dtype)
 
     def is_ready(self) -> bool:
         return bool(self._client.is_server_ready())

@@ -1,5 +1,6 @@
-"""Triton adapter for <name>_encoder: ragged token ids -> embeddings [n, dim] FP32, or for a
-reranker, SCORE [n] (input order) and INDICES (best first, TOP_N of them when given).
+"""Triton adapter for <name>_encoder: ragged token ids -> embeddings [n, dim] in the ENCODING
+asked for (pergola.encodings: EMBEDDING FP32 by default), or for a reranker, SCORE [n] (input
+order) and INDICES (best first, TOP_N of them when given).
 
 Triton's dynamic batcher hands over every queued request at once; the engine packs all their
 sequences into token-budgeted steps, so one request may share a step with others.
@@ -9,10 +10,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
+from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
 from pergola.engine import EncodeRequest, Engine
 from pergola.metrics import EncoderMetrics
-from pergola.pooling import check_dimensions, finish
-from pergola.triton_io import error_response, instance_device, optional_scalar, required_array
+from pergola.pooling import finish
+from pergola.triton_io import embed_options, error_response, instance_device, optional_scalar, required_array
 
 
 class TritonPythonModel:
@@ -26,10 +28,13 @@ class TritonPythonModel:
                      "eager": runner.eager_attn.name}
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
                                  f"CUDA graphs {'on' if runner.graphs is not None else 'off'}")
+        if runner.probe is not None and len(runner.probe.micros) > 1:
+            pb_utils.Logger.log_info(f"{args['model_name']}: attention probe, µs per layer call: "
+                                     f"{runner.probe.micros}")
         self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention)
 
-    def _decode(self, request) -> tuple[EncodeRequest, int, bool]:
-        """-> (request, DIMENSIONS or a reranker's TOP_N, NORMALIZE)."""
+    def _decode(self, request) -> tuple[EncodeRequest, int, bool, str]:
+        """-> (request, DIMENSIONS or a reranker's TOP_N, NORMALIZE, ENCODING)."""
         optional = {name: pb_utils.get_input_tensor_by_name(request, name)
                     for name in ("PROMPT_LENGTHS", "TOKEN_TYPE_IDS")}
         optional = {k: None if v is None else v.as_numpy().reshape(-1) for k, v in optional.items()}
@@ -41,12 +46,8 @@ class TritonPythonModel:
         )
         self.engine.validate(req)
         if self.rerank:
-            return req, int(optional_scalar(pb_utils, request, "TOP_N") or 0), False
-        dims = int(optional_scalar(pb_utils, request, "DIMENSIONS") or 0)
-        if dims:
-            check_dimensions(dims, self.hidden)
-        normalize = optional_scalar(pb_utils, request, "NORMALIZE")
-        return req, dims, self.engine.spec.normalize if normalize is None else bool(normalize)
+            return req, int(optional_scalar(pb_utils, request, "TOP_N") or 0), False, DEFAULT_ENCODING
+        return (req, *embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize))
 
     @staticmethod
     def _rerank_response(scores: np.ndarray, top_n: int) -> "pb_utils.InferenceResponse":
@@ -55,9 +56,15 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse([pb_utils.Tensor("SCORE", score),
                                            pb_utils.Tensor("INDICES", order[:top_n] if top_n else order)])
 
+    @staticmethod
+    def _embed_response(pooled: np.ndarray, dims: int, normalize: bool,
+                        encoding: str) -> "pb_utils.InferenceResponse":
+        outputs = encoded_outputs(finish(pooled, dims, normalize), encoding)
+        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
-        accepted = []  # (position, request, dims, normalize)
+        accepted = []  # (position, request, dims or top_n, normalize, encoding)
         for i, request in enumerate(requests):
             try:
                 accepted.append((i, *self._decode(request)))
@@ -69,8 +76,8 @@ class TritonPythonModel:
             for i, *_ in accepted:
                 responses[i] = error_response(pb_utils, e)
             return responses
-        for (i, _, option, normalize), out in zip(accepted, pooled):
+        for (i, _, option, normalize, encoding), out in zip(accepted, pooled):
             responses[i] = self._rerank_response(out, option) if self.rerank else \
-                pb_utils.InferenceResponse([pb_utils.Tensor("EMBEDDING", finish(out, option, normalize))])
+                self._embed_response(out, option, normalize, encoding)
         self.metrics.update(self.engine.stats)
         return responses

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from pergola_client import ENCODINGS
+
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
@@ -115,9 +117,12 @@ def embed(args: argparse.Namespace) -> None:
     texts = args.text or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with PergolaClient(args.url, protocol=args.protocol, model=args.model_name) as client:
         vectors = client.embed(texts, prompt=args.prompt, dimensions=args.dimensions,
-                               normalize=None if args.normalize is None else args.normalize == "true")
-    json.dump({"model": args.model_name, "data": [
-        {"index": i, "text": t, "embedding": [round(float(x), 7) for x in v]} for i, (t, v) in enumerate(zip(texts, vectors))
+                               normalize=None if args.normalize is None else args.normalize == "true",
+                               encoding=args.encoding)
+    floats = vectors.dtype.kind == "f"
+    rows = [[round(float(x), 7) for x in v] if floats else v.tolist() for v in vectors]
+    json.dump({"model": args.model_name, "encoding": args.encoding, "data": [
+        {"index": i, "text": t, "embedding": row} for i, (t, row) in enumerate(zip(texts, rows))
     ]}, sys.stdout)
     sys.stdout.write("\n")
 
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", default=None, help="a prompt name of the model (e.g. query)")
     p.add_argument("--dimensions", type=int, default=None)
     p.add_argument("--normalize", choices=["true", "false"], default=None)
+    p.add_argument("--encoding", choices=list(ENCODINGS), default="float32",
+                   help="int8: round(x * 127) of the normalised vector; binary: sign bits packed 8 a byte (uint8)")
     p.set_defaults(func=embed)
 
     p = sub.add_parser("add-version", help="add a version of a served model (new weights) and load it")

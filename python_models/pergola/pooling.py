@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pergola.errors import RequestError
-
 
 def pool(
     hidden: torch.Tensor,  # [T, H] last hidden states
@@ -29,14 +27,6 @@ def pool(
         counts = torch.zeros(num_seqs, 1, device=h.device).index_add_(0, seq_ids, token_weights.unsqueeze(1))
     sums = torch.zeros(num_seqs, h.shape[1], device=h.device, dtype=torch.float32).index_add_(0, seq_ids, h)
     return sums / counts.clamp_min(1e-9)
-
-
-def check_dimensions(dimensions: int, hidden: int) -> None:
-    if not 1 <= dimensions <= hidden:
-        raise RequestError(
-            f"DIMENSIONS={dimensions} is out of range; this model gives 1..{hidden} dimensions "
-            "(0 or omitted = all)"
-        )
 
 
 def finish(embeddings: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Helpers the Triton `model.py` adapters share: optional inputs, errors, instance device.
+"""Helpers the Triton `model.py` adapters share: optional inputs, embedding options, errors,
+instance device.
 
 `pb_utils` (triton_python_backend_utils) only exists inside the Triton stub, so the adapters
 pass it in; everything else in pergola imports and tests without Triton.
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pergola.encodings import check_encoding
 from pergola.errors import RequestError, decode_utf8
 
 
@@ -25,6 +27,17 @@ def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
     if isinstance(value, bytes):
         return decode_utf8([value], name)[0]
     return value.item() if isinstance(value, np.generic) else value
+
+
+def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> tuple[int, bool, str]:
+    """An embedding request's DIMENSIONS (0 = all), NORMALIZE and ENCODING, checked and defaulted."""
+    dims = int(optional_scalar(pb_utils, request, "DIMENSIONS") or 0)
+    if dims and not 1 <= dims <= hidden:
+        raise RequestError(f"DIMENSIONS={dims} is out of range; this model gives 1..{hidden} dimensions "
+                           "(0 or omitted = all)")
+    normalize = optional_scalar(pb_utils, request, "NORMALIZE")
+    normalize = default_normalize if normalize is None else bool(normalize)
+    return dims, normalize, check_encoding(optional_scalar(pb_utils, request, "ENCODING"), normalize)
 
 
 def required_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray:

@@ -5,9 +5,8 @@ import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
 from pergola.errors import RequestError, decode_utf8
-from pergola.pooling import check_dimensions
 from pergola.tokenization import TextTokenizer
-from pergola.triton_io import error_response, optional_scalar
+from pergola.triton_io import embed_options, error_response, optional_scalar
 
 
 class TritonPythonModel:
@@ -25,10 +24,7 @@ class TritonPythonModel:
             if raw.ndim != 1:
                 raise RequestError(f"TEXT must be 1-D ([n] strings), got shape {list(raw.shape)}")
             texts = decode_utf8(raw.tolist())
-            dims = optional_scalar(pb_utils, request, "DIMENSIONS") or 0
-            if dims:
-                check_dimensions(int(dims), self.spec.hidden_size)
-            normalize = optional_scalar(pb_utils, request, "NORMALIZE")
+            dims, normalize, encoding = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize)
             truncate = optional_scalar(pb_utils, request, "TRUNCATE")
             enc = self.tokenizer.encode(
                 texts,
@@ -37,12 +33,12 @@ class TritonPythonModel:
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
-        normalize = self.spec.normalize if normalize is None else bool(normalize)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("INPUT_IDS", enc.input_ids[None, :]),
             pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),
             pb_utils.Tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :]),
             pb_utils.Tensor("DIMENSIONS_OUT", np.array([[dims]], dtype=np.int32)),
             pb_utils.Tensor("NORMALIZE_OUT", np.array([[normalize]], dtype=bool)),
+            pb_utils.Tensor("ENCODING_OUT", np.array([[encoding.encode()]], dtype=object)),
             pb_utils.Tensor("TOKEN_COUNT", enc.lengths),
         ])
