@@ -79,3 +79,19 @@ def test_dimensions_truncate_then_normalize(engine):
     expected = full[:, :32] / np.linalg.norm(full[:, :32], axis=1, keepdims=True)
     np.testing.assert_allclose(short, expected, atol=1e-6)
     assert np.allclose(np.linalg.norm(short, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["cls", "last", "mean"])
+def test_pooling_ignores_empty_padding_sequences(mode):
+    """A graph bucket's trailing empty sequences start at T: pooling must not index past the end."""
+    import torch
+
+    from pergola.pooling import pool
+
+    hidden = torch.arange(15, dtype=torch.float32).view(5, 3)  # [T=5, H=3]
+    cu = torch.tensor([0, 3, 5, 5, 5], dtype=torch.int32)  # 2 real sequences + 2 empty ones
+    seq_ids = torch.tensor([0, 0, 0, 1, 1])
+    out = pool(hidden, cu, seq_ids, mode)
+    assert out.shape == (4, 3)
+    expected = {"cls": hidden[[0, 3]], "last": hidden[[2, 4]], "mean": torch.stack([hidden[:3].mean(0), hidden[3:].mean(0)])}
+    torch.testing.assert_close(out[:2], expected[mode])

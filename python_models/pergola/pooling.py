@@ -13,11 +13,15 @@ def pool(
     mode: str,
     token_weights: torch.Tensor | None = None,  # [T] 1.0 for pooled tokens (mean), None = all
 ) -> torch.Tensor:
-    """-> [B, H] float32. Mean pooling accumulates in fp32 (BF16 sums lose digits fast)."""
-    if mode == "cls":
-        return hidden[cu_seqlens[:-1].long()].float()
-    if mode == "last":
-        return hidden[cu_seqlens[1:].long() - 1].float()
+    """-> [B, H] float32. Mean pooling accumulates in fp32 (BF16 sums lose digits fast).
+
+    A CUDA-graph bucket pads the batch with empty sequences that start at T: their CLS / last
+    index is clamped into [0, T) (their rows are never read), since an index of T is a
+    device-side assert on the GPU.
+    """
+    if mode in ("cls", "last"):
+        index = cu_seqlens[:-1].long() if mode == "cls" else cu_seqlens[1:].long() - 1
+        return hidden[index.clamp(0, hidden.shape[0] - 1)].float()
     h = hidden.float()
     num_seqs = cu_seqlens.numel() - 1
     if token_weights is None:
