@@ -91,3 +91,16 @@ def test_error_in_one_request_does_not_fail_its_batch_neighbours(server):
         results = list(pool.map(call, range(24)))
     for i, r in enumerate(results):
         assert isinstance(r, InferenceServerException) == (i % 3 == 0)
+
+
+@pytest.mark.parametrize("message,fatal", [
+    ("CUDA error: device-side assert triggered", True),
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ("LENGTHS add up to 3 but INPUT_IDS has 4 tokens", False),
+])
+def test_fatal_device_errors_are_told_apart(message, fatal):
+    """Only a poisoned CUDA context ends the encoder's stub (the supervisor then reloads it)."""
+    from pergola.triton_io import is_fatal_device_error
+
+    assert is_fatal_device_error(RuntimeError(message)) is fatal

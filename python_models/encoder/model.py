@@ -14,11 +14,13 @@ from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
 from pergola.engine import EncodeRequest, Engine
 from pergola.metrics import EncoderMetrics
 from pergola.pooling import finish
-from pergola.triton_io import embed_options, error_response, instance_device, optional_scalar, required_array
+from pergola.triton_io import (embed_options, error_response, exit_soon, instance_device, is_fatal_device_error,
+                               optional_scalar, required_array)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        self.model_name = args["model_name"]
         self.cfg = EngineConfig.from_triton_args(args, device=instance_device(args))
         self.engine = Engine(self.cfg)
         self.hidden = self.engine.spec.hidden_size
@@ -75,6 +77,8 @@ class TritonPythonModel:
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail this batch, keep serving
             for i, *_ in accepted:
                 responses[i] = error_response(pb_utils, e)
+            if is_fatal_device_error(e):  # a poisoned CUDA context: let the supervisor reload us
+                exit_soon(pb_utils, self.model_name, e)
             return responses
         for (i, _, option, normalize, encoding), out in zip(accepted, pooled):
             responses[i] = self._rerank_response(out, option) if self.rerank else \

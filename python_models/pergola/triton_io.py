@@ -63,3 +63,28 @@ def instance_device(args: dict[str, str]) -> str:
     if args.get("model_instance_kind") == "GPU":
         return f"cuda:{args['model_instance_device_id']}"
     return "cpu"
+
+
+# Messages of errors after which a process's CUDA context is unusable: every later kernel fails.
+FATAL_DEVICE_ERRORS = ("device-side assert", "illegal memory access", "unspecified launch failure",
+                       "misaligned address", "illegal instruction", "CUDA error: an illegal")
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """True for a CUDA fault that poisons the process (not e.g. an out-of-memory error)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in FATAL_DEVICE_ERRORS)
+
+
+def exit_soon(pb_utils: Any, model: str, exc: BaseException, delay_s: float = 1.0) -> None:
+    """After a fatal device error: answer the failed batch, then end this stub process.
+
+    A poisoned CUDA context cannot serve again, and Triton keeps routing requests to a living
+    stub; ending it lets the `pergola serve` supervisor reload the model (supervisor.py). The
+    delay leaves time for this batch's error responses to go out.
+    """
+    import os
+    import threading
+
+    pb_utils.Logger.log_error(f"{model}: fatal device error ({exc}); exiting so the model is reloaded")
+    threading.Timer(delay_s, os._exit, args=(70,)).start()
