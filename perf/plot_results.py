@@ -1,100 +1,226 @@
-"""Plots for perf/RESULTS.md from the JSON and logs a benchmark run wrote.
+"""Plots for perf/RESULTS.md from the JSON files one GPU session wrote.
 
-    python perf/plot_results.py perf/results/2026-12-02
+    python perf/plot_results.py perf/results/2026-12-02-session2
+
+Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py) and
+vllm.json (bench_vllm.py); writes latency_batch1.png, throughput.png, concurrency.png, scoring.png
+and attention_kernels.png next to them. A plot whose input file is missing is skipped with a note.
+(The earlier folder, perf/results/2026-12-02, keeps its PNGs; this script no longer reads its logs.)
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+Json = dict[str, Any]
+SAME_RUN = "H200, same run"
+EMBED = "Qwen3-Embedding-0.6B shape"
+RERANK = "Qwen3-Reranker-0.6B shape"
+# one colour per system: dark = through a server, light = in-process
+COLOR = {"pergola server": "#1f4e9c", "pergola engine": "#7fa7e0", "vLLM server": "#c2540a",
+         "vLLM in-process": "#f5a35c", "HF": "#8c8c8c"}
 
 
-def server_log(path: Path) -> dict:
-    """Figures printed by bench_server.py (used when a run was cut before writing its JSON)."""
-    text = path.read_text()
-    lat = {int(m[0]): (float(m[1]), float(m[2]), float(m[3])) for m in
-           re.findall(r"latency\s+(\d+) tok: pergola p50 ([\d.]+) p99 ([\d.]+) ms, HF p50 ([\d.]+)", text)}
-    tput = {int(m[0]): (float(m[1]), float(m[2])) for m in
-            re.findall(r"throughput 100 x (\d+) tok, 4 procs: pergola (\d+) emb/s, HF (\d+) emb/s", text)}
-    return {"latency": lat, "throughput": tput}
+def load(folder: Path, name: str) -> Json | None:
+    path = folder / name
+    if not path.exists():
+        print(f"note: {path} missing")
+        return None
+    return json.loads(path.read_text())
+
+
+def save(fig: Figure, folder: Path, name: str) -> None:
+    fig.tight_layout()
+    fig.savefig(folder / name, dpi=120)
+    plt.close(fig)
+    print(f"wrote {folder / name}")
+
+
+def bars(ax: Axes, groups: list[int], series: dict[str, list[Json]], unit: str) -> None:
+    """Grouped bars of p50 with p99 whiskers, p50 written above each bar; one group per x value."""
+    width = 0.8 / len(series)
+    for i, (label, rows) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        p50 = [r["p50"] for r in rows]
+        err = [[0.0] * len(rows), [r["p99"] - r["p50"] for r in rows]]
+        ax.bar(xs, p50, width, yerr=err, capsize=3, label=label, color=COLOR[label.split(" (")[0]],
+               error_kw={"elinewidth": 1, "ecolor": "black"})
+        for x, v, r in zip(xs, p50, rows):  # the p50 inside the bar, or above the whisker if the bar is short
+            inside = v > 3 * ax.get_ylim()[0]
+            ax.text(x, v * 0.93 if inside else r["p99"] * 1.08, f"{v:.3g}", ha="center",
+                    va="top" if inside else "bottom", fontsize=7, rotation=90, color="white" if inside else "black")
+    ax.set_xticks(range(len(groups)), [f"{g} {unit}" for g in groups])
+    ax.set_yscale("log")
+    ax.grid(axis="y", which="both", alpha=0.3)
+
+
+def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
+    if not (eng and srv and vl):
+        print("note: latency_batch1.png needs engine_qwen3.json, server.json and vllm.json; skipped")
+        return
+    e, vs, vi = eng["models"][0]["latency"], vl["suites"]["server"]["latency"], vl["suites"]["inproc"]["latency"]
+    lengths = sorted(int(k) for k in srv["latency"])
+    series = {
+        "pergola server (Triton, gRPC)": [srv["latency"][str(n)]["pergola"] for n in lengths],
+        "vLLM server (HTTP /v1/embeddings)": [vs[str(n)]["vllm"] for n in lengths],
+        "pergola engine (in-process, CUDA graph)": [e[str(n)]["pergola_graph"] for n in lengths],
+        "vLLM in-process (llm.embed)": [vi[str(n)]["vllm"] for n in lengths],
+        "HF (transformers in-process)": [e[str(n)]["hf"] for n in lengths],
+    }
+    fig, ax = plt.subplots(figsize=(9, 5))
+    ax.set_ylim(1, 300)
+    bars(ax, lengths, series, "tokens")
+    ax.set_ylabel("ms per request (bar p50, whisker p99)")
+    ax.set_title(f"{EMBED}: batch-1 latency, pre-tokenized, sequential ({SAME_RUN})")
+    ax.legend(fontsize=8, loc="upper left")
+    save(fig, folder, "latency_batch1.png")
+
+
+def plot_throughput(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
+    if not (eng and srv and vl):
+        print("note: throughput.png needs engine_qwen3.json, server.json and vllm.json; skipped")
+        return
+    e, vs = eng["models"][0]["throughput"], vl["suites"]["server"]["throughput"]
+    vi, ps = vl["suites"]["inproc"]["throughput"], srv["throughput"]
+    lengths = sorted(int(k) for k in e)
+    lines: dict[str, tuple[list[float], str]] = {
+        "pergola server (Triton, 4 client procs)": ([ps[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "s-"),
+        "vLLM server (HTTP, 4 client procs)": ([vs[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "s-"),
+        "pergola engine (in-process)": ([e[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "o--"),
+        "vLLM in-process (llm.embed)": ([vi[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "o--"),
+        "HF (transformers in-process)": ([e[str(n)]["hf"]["embeddings_per_s"] for n in lengths], "^-"),
+    }
+    fig, ax = plt.subplots(figsize=(9, 5))
+    limit = [e[str(n)]["compute_limit_tokens_per_s"] / n for n in lengths]
+    ax.plot(lengths, limit, "k--", lw=1, label="compute limit (measured matmul rate / length)")
+    for label, (ys, style) in lines.items():
+        ax.plot(lengths, ys, style, label=label, color=COLOR[label.split(" (")[0]], ms=6)
+    for key, dy in (("pergola server (Triton, 4 client procs)", 6), ("vLLM server (HTTP, 4 client procs)", -12)):
+        for n, y in zip(lengths, lines[key][0]):
+            ax.annotate(f"{y:.0f}", (n, y), textcoords="offset points", xytext=(6, dy), fontsize=8,
+                        color=COLOR[key.split(" (")[0]])
+    ax.text(0.99, 0.97, "pergola server and engine lines coincide", transform=ax.transAxes,
+            ha="right", va="top", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("tokens per text (100 texts per request)")
+    ax.set_ylabel("embeddings / s")
+    ax.set_title(f"{EMBED}: throughput ({SAME_RUN})")
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    save(fig, folder, "throughput.png")
+
+
+def plot_concurrency(folder: Path, srv: Json | None, vl: Json | None) -> None:
+    if not (srv and vl):
+        print("note: concurrency.png needs server.json and vllm.json; skipped")
+        return
+    runs = {"pergola server": srv["concurrency"]["pergola"],
+            "vLLM server": vl["suites"]["server"]["concurrency"]["vllm"]}
+    length = srv["concurrency"]["length"]
+    fig, (lat, rps) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for label, rows in runs.items():
+        levels = sorted(int(k) for k in rows)
+        c = COLOR[label]
+        lat.plot(levels, [rows[str(n)]["p50"] for n in levels], "o-", color=c, label=f"{label} p50")
+        lat.plot(levels, [rows[str(n)]["p99"] for n in levels], "o:", color=c, alpha=0.45, label=f"{label} p99")
+        ys = [rows[str(n)]["requests_per_s"] for n in levels]
+        rps.plot(levels, ys, "o-", color=c, label=label)
+        for n, y in zip(levels, ys):
+            rps.annotate(f"{y:.0f}", (n, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    for ax in (lat, rps):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.set_xlabel("concurrent requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    lat.set_ylabel("ms per request")
+    lat.set_title("latency")
+    rps.set_ylabel("requests / s")
+    rps.set_title("throughput")
+    rps.set_ylim(0, None)
+    fig.suptitle(f"{EMBED}: text requests, batch 1, {length} tokens, tokenization included ({SAME_RUN})", fontsize=11)
+    save(fig, folder, "concurrency.png")
+
+
+def plot_scoring(folder: Path, sc: Json | None, vl: Json | None) -> None:
+    if not (sc and vl):
+        print("note: scoring.png needs scoring.json and vllm.json; skipped")
+        return
+    vs, vi = vl["suites"]["scoring_server"]["scoring"], vl["suites"]["scoring_inproc"]["scoring"]
+    batches = sorted(int(k) for k in sc["scoring"])
+    series = {
+        "pergola server (Triton, gRPC)": [sc["scoring"][str(b)]["pergola"] for b in batches],
+        "vLLM server (HTTP /classify)": [vs[str(b)]["vllm"] for b in batches],
+        "vLLM in-process (llm.classify)": [vi[str(b)]["vllm"] for b in batches],
+        "HF (transformers in-process)": [sc["scoring"][str(b)]["hf"] for b in batches],
+    }
+    fig, ax = plt.subplots(figsize=(9, 5))
+    ax.set_ylim(3, 400)
+    bars(ax, batches, series, "pairs")
+    ax.set_ylabel("ms per request (bar p50, whisker p99)")
+    ax.set_title(f"{RERANK}: scoring pairs of 512 tokens, pre-tokenized, sequential ({SAME_RUN})", fontsize=11)
+    ax.legend(fontsize=8, loc="upper left")
+    save(fig, folder, "scoring.png")
+
+
+def plot_attention(folder: Path, eng: Json | None) -> None:
+    if not eng:
+        print("note: attention_kernels.png needs engine_qwen3.json; skipped")
+        return
+    m = eng["models"][0]
+    backends = {"torch_flash": "#4c9a2a", "flashinfer_fa2": "#b07cc6", "flashinfer_fa3": "#6a2c91", "sdpa": "#bbbbbb"}
+    micro = {f"{r['num_seqs']}x{r['seq_len']}": {b: r[b]["us"] for b in backends if "us" in r.get(b, {})}
+             for r in m.get("attention_backends", [])}
+    probe = m.get("attention", {}).get("probe_us") or {}
+    probe_rows = {shape: {b: probe[b][shape] for b in probe} for shape in next(iter(probe.values()), {})}
+    picked = m.get("attention", {}).get("eager", "?")
+    panels = [("micro-benchmark: one attention call, eager, mean of 20", micro),
+              (f"engine start-up probe (it picked {picked})", probe_rows)]
+    panels = [(t, rows) for t, rows in panels if rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        shapes = list(rows)
+        names = [b for b in backends if any(b in r for r in rows.values())]
+        width = 0.8 / len(names)
+        for i, b in enumerate(names):
+            xs = [s + (i - (len(names) - 1) / 2) * width for s in range(len(shapes))]
+            ax.bar(xs, [rows[s].get(b, 0) for s in shapes], width, label=b, color=backends[b])
+        ax.set_xticks(range(len(shapes)), [s.replace("x", " x ") for s in shapes], fontsize=9)
+        ax.set_xlabel("sequences x tokens")
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per call")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{EMBED}: attention kernels, bf16, causal ({SAME_RUN})", fontsize=11)
+    save(fig, folder, "attention_kernels.png")
 
 
 def main(folder: Path) -> None:
-    engine = json.loads((folder / "engine_qwen3.json").read_text())["models"][0]
-    conc = json.loads((folder / "server_qwen3_latency_concurrency.json").read_text())["concurrency"]
-    server = server_log(folder / "server_qwen3_final.log")
-
-    # 1. batch-1 latency, p50 with p99 whiskers
-    lengths = sorted(int(k) for k in engine["latency"])
-    series = {
-        "pergola engine, CUDA graph": [engine["latency"][str(n)]["pergola_graph"] for n in lengths],
-        "pergola engine, eager": [engine["latency"][str(n)]["pergola_eager"] for n in lengths],
-        "HF transformers (in-process)": [engine["latency"][str(n)]["hf"] for n in lengths],
-    }
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.2
-    for i, (label, rows) in enumerate(series.items()):
-        xs = [j + (i - 1.5) * width for j in range(len(lengths))]
-        p50 = [r["p50"] for r in rows]
-        p99 = [r["p99"] - r["p50"] for r in rows]
-        ax.bar(xs, p50, width, yerr=[[0] * len(rows), p99], label=label, capsize=3)
-    xs = [j + 1.5 * width for j in range(len(lengths))]
-    ax.bar(xs, [server["latency"][n][0] for n in lengths], width,
-           yerr=[[0] * len(lengths), [server["latency"][n][1] - server["latency"][n][0] for n in lengths]],
-           label="pergola through Triton (gRPC)", capsize=3)
-    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
-    ax.set_ylabel("ms (bar p50, whisker p99)")
-    ax.set_yscale("log")
-    ax.set_title("Qwen3-Embedding-0.6B shape, batch 1, sequential, H200")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "latency_batch1.png", dpi=120)
-
-    # 2. throughput vs length
-    tl = sorted(int(k) for k in engine["throughput"])
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    rows = engine["throughput"]
-    ax.plot(tl, [rows[str(n)]["pergola"]["embeddings_per_s"] for n in tl], "o-", label="pergola engine")
-    ax.plot(tl, [rows[str(n)]["pergola_eager_flashinfer_fa2"]["embeddings_per_s"] for n in tl], "o-",
-            label="pergola engine, FlashInfer FA2 for big steps")
-    ax.plot(tl, [server["throughput"][n][0] for n in tl], "s-", label="pergola through Triton, 4 client processes")
-    ax.plot(tl, [rows[str(n)]["hf"]["embeddings_per_s"] for n in tl], "^-", label="HF transformers (in-process)")
-    ax.plot(tl, [rows[str(n)]["compute_limit_tokens_per_s"] / n for n in tl], "k--", label="compute limit (measured matmul rate)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per text (100 texts per request)")
-    ax.set_ylabel("embeddings / s")
-    ax.set_title("Qwen3-Embedding-0.6B shape, throughput, H200")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "throughput.png", dpi=120)
-
-    # 3. concurrency curve
-    levels = sorted(int(k) for k in conc["pergola"])
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for q in ("p50", "p90", "p99"):
-        ax.plot(levels, [conc["pergola"][str(c)][q] for c in levels], "o-", label=f"pergola {q}")
-    ax.axhline(conc["hf_sequential"]["p50"], color="gray", ls="--", label="HF transformers p50, 1 at a time")
-    ax2 = ax.twinx()
-    ax2.plot(levels, [conc["pergola"][str(c)]["requests_per_s"] for c in levels], "k:", label="requests/s")
-    ax2.set_ylabel("requests / s")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests (text, 512 tokens, batch 1, gRPC, tokenization included)")
-    ax.set_ylabel("ms")
-    ax.set_title("High-concurrency embedding through Triton, H200")
-    ax.legend(loc="upper left", fontsize=8)
-    ax2.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "concurrency.png", dpi=120)
-    print(f"wrote {folder}/latency_batch1.png, throughput.png, concurrency.png")
+    eng, srv, sc, vl = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json", "vllm.json"))
+    plots: list[Callable[[], None]] = [
+        lambda: plot_latency(folder, eng, srv, vl),
+        lambda: plot_throughput(folder, eng, srv, vl),
+        lambda: plot_concurrency(folder, srv, vl),
+        lambda: plot_scoring(folder, sc, vl),
+        lambda: plot_attention(folder, eng),
+    ]
+    for plot in plots:
+        plot()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "perf/results/2026-12-02"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "perf/results/2026-12-02-session2"))

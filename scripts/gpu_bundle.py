@@ -422,18 +422,20 @@ def pack(items: list[Item], big: list[tuple[Path, str]], capacity: int) -> list[
     return parts
 
 
-def write_parts(parts: list[Part], limit: int) -> list[Path]:
-    for old in BUNDLE.glob("part*"):
+def write_parts(parts: list[Part], limit: int, out_dir: Path = BUNDLE, prefix: str = "part",
+                fmt: str = FORMAT) -> list[Path]:
+    """Each part a folder `<prefix>N`: its files and a MANIFEST saying what to do with them."""
+    for old in out_dir.glob(f"{prefix}*"):
         shutil.rmtree(old)
-    BUNDLE.mkdir(exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     bundle_id = hashlib.sha256("".join(
         (it.line if isinstance(it, Chunk) else it.line.format(file=it.name)) for p in parts for it in p.items
     ).encode()).hexdigest()[:12]
     out = []
     for k, part in enumerate(parts, 1):
-        d = BUNDLE / f"part{k}"
+        d = out_dir / f"{prefix}{k}"
         d.mkdir()
-        lines = [f"# {FORMAT}", f"bundle {bundle_id} {k} {len(parts)}"]
+        lines = [f"# {fmt}", f"bundle {bundle_id} {k} {len(parts)}"]
         for it in part.items:
             dst = d / it.name
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -449,7 +451,7 @@ def write_parts(parts: list[Part], limit: int) -> list[Path]:
         size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
         if size > limit:
             shutil.rmtree(d)
-            raise SystemExit(f"part{k} would be {size / MB:.1f} MB, over the {limit / MB:.0f} MB limit: refused")
+            raise SystemExit(f"{d.name} would be {size / MB:.1f} MB, over the {limit / MB:.0f} MB limit: refused")
         out.append(d)
     return out
 

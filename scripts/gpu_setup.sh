@@ -34,67 +34,8 @@ ensure_stubvenv() {
   echo "import site; site.addsitedir('$SITE'); site.addsitedir('$base')" > "$sp/pergola_base.pth"
 }
 
-install_wheel() {  # WHEEL TARGET_DIR: unzip a wheel (what pip install --no-deps --target does, but merging)
-  "$BASE_PY" - "$1" "$2" <<'PY'
-import hashlib, os, shutil, sys, zipfile
-whl, target = sys.argv[1:3]
-digest = hashlib.sha256(open(whl, "rb").read()).hexdigest()
-with zipfile.ZipFile(whl) as z:
-    names = z.namelist()
-    dist_info = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))
-    marker = os.path.join(target, dist_info, "PERGOLA_WHEEL_SHA256")
-    if os.path.isfile(marker) and open(marker).read() == digest:
-        print(f"gpu_setup:   {os.path.basename(whl)}: already in {target}")
-        sys.exit(0)
-    for info in z.infolist():
-        parts = info.filename.split("/")
-        if info.filename.endswith("/"):
-            continue
-        if parts[0].endswith(".data"):
-            if parts[1] not in ("purelib", "platlib"):
-                continue  # scripts/headers/data: not needed here
-            parts = parts[2:]
-        dest = os.path.join(target, *parts)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        with z.open(info) as src, open(dest + ".tmp", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.chmod(dest + ".tmp", ((info.external_attr >> 16) & 0o777) or 0o644)
-        os.replace(dest + ".tmp", dest)
-    open(marker, "w").write(digest)
-print(f"gpu_setup:   {os.path.basename(whl)} -> {target}")
-PY
-}
-
-host_satisfies() {  # SPEC: does the torch environment already have a version that satisfies SPEC?
-  "$BASE_PY" - "$1" <<'PY'
-import sys
-from importlib.metadata import PackageNotFoundError, version
-try:
-    from packaging.requirements import Requirement
-except ImportError:
-    sys.exit(1)
-req = Requirement(sys.argv[1])
-try:
-    have = version(req.name)
-except PackageNotFoundError:
-    sys.exit(1)
-ok = req.specifier.contains(have, prereleases=True)
-print(f"gpu_setup:   host has {req.name} {have}: {'keeps it' if ok else 'does not satisfy ' + str(req.specifier)}")
-sys.exit(0 if ok else 1)
-PY
-}
-
-try_assemble() {  # DEST COUNT TOTAL SHA256
-  local out=$G/$1 n=$2 total=$3 sha=$4 dir=$G/chunks/$4 k
-  [[ -f $out.sha256 && $(cat "$out.sha256") == "$sha" && -f $out ]] && return 0
-  for ((k = 1; k <= n; k++)); do [[ -f $dir/$(printf %03d $k) ]] || return 0; done
-  mkdir -p "$(dirname "$out")"
-  for ((k = 1; k <= n; k++)); do cat "$dir/$(printf %03d $k)"; done > "$out.tmp"
-  [[ $(stat -c %s "$out.tmp") == "$total" ]] || { say "$1: reassembled size is wrong" >&2; exit 1; }
-  [[ $(sha256sum "$out.tmp" | cut -d' ' -f1) == "$sha" ]] || { say "$1: sha256 mismatch" >&2; exit 1; }
-  mv "$out.tmp" "$out"; echo "$sha" > "$out.sha256"; rm -rf "$dir"
-  say "  reassembled $out ($n pieces, $total bytes, sha256 ok)"
-}
+# shellcheck source=scripts/bundle_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/bundle_lib.sh"
 
 say "unpacking $PART"
 bundle=""
@@ -128,13 +69,7 @@ while read -r kind a b c d e f <&3; do
       printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s/perf/bin/perf_analyzer "$@"\n' \
         "$G" "$G" > "$G/bin/perf_analyzer"
       chmod +x "$G/bin/perf_analyzer"; say "  perf_analyzer -> $G/bin/perf_analyzer" ;;
-    chunk)  # DEST K N TOTAL SHA256 FILE
-      if [[ -f $G/$a.sha256 && $(cat "$G/$a.sha256") == "$e" && -f $G/$a ]]; then say "  $a: already assembled"
-      else
-        mkdir -p "$G/chunks/$e"; piece=$G/chunks/$e/$(printf %03d "$b")
-        cp "$PART/$f" "$piece.tmp"; mv "$piece.tmp" "$piece"; say "  $a: piece $b of $c"
-        try_assemble "$a" "$c" "$d" "$e"
-      fi ;;
+    chunk) take_chunk "$PART" "$a" "$b" "$c" "$d" "$e" "$f" ;;  # DEST K N TOTAL SHA256 FILE
     *) say "unknown MANIFEST line: $kind" >&2; exit 2 ;;
   esac
 done 3< "$PART/MANIFEST"

@@ -1,0 +1,727 @@
+"""vLLM 0.22.0, the seeds' baseline, on the same GPU, models and inputs as pergola's benchmarks.
+
+    python perf/bench_vllm.py --out perf/out/vllm.json                 # all suites, about 5-8 min on an H200
+    python perf/bench_vllm.py --suites inproc scoring --skip-server    # in-process only
+    python perf/bench_vllm.py --dry-run --out perf/out/vllm_dry.json   # CPU, tiny models, vLLM not imported
+
+vLLM comes from the offline bundle (scripts/vllm_bundle.py, then scripts/vllm_setup.sh on the GPU host,
+which installs it into /tmp/vllm-site). That site goes first on the path of this script's child processes
+only: pergola's own /tmp/site holds flashinfer 0.5.3, vLLM needs 0.6.11.post2.
+
+Models: the seeded Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B shape folders that perf/bench_engine.py's
+model_folder() builds (seed 0, bf16): the bytes pergola serves. Inputs: perf/inputs.py's TokenWindows with
+the seeds, lengths and counts of perf/bench_engine.py (in-process) and perf/bench_server.py (server).
+vLLM runs as the seed article ran it: BF16, prefix caching OFF (with it on, repeated benchmark prompts
+come from its cache), max_num_batched_tokens 16384, its default CUDA graphs and torch.compile.
+
+Suites, each in its own process (a crash or leaked GPU memory cannot touch the next):
+  reference  HF transformers on the same weights and ids (what each suite is checked against, first)
+  inproc     LLM(runner="pooling"): batch-1 sequential latency at 128/512/4096 tokens (llm.embed,
+             pre-tokenized), throughput of 100 texts per call at 512/1024/4096
+  server     vLLM's OpenAI-compatible server with real HTTP clients: latency (pre-tokenized
+             /v1/embeddings), throughput (batch 100, four client processes behind a barrier),
+             concurrency (512-token text, batch 1, 1/2/4/8/16 in flight: tokenization and the
+             network hop count)
+  scoring    the Qwen3-Reranker shape, loaded as vLLM documents it (a one-logit classifier from the
+             "yes"/"no" rows): pre-tokenized batches of 5/25/50 pairs of 512 tokens, sequential, via
+             llm.classify in-process and POST /classify (token-id lists) on the server
+Correctness before timing: min cosine >= 0.999 (embeddings) or max |diff| <= 1e-2 (scores) against the
+reference; a suite that fails records the value and is not timed. --out is rewritten after every suite.
+Layout as bench_server.py's, with "vllm" where it has "pergola": suites.server.latency["512"].vllm.p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import HFBaseline, cosine_min, model_folder, percentiles, time_latency  # noqa: E402
+from inputs import TokenWindows  # noqa: E402
+
+from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.server import free_port  # noqa: E402
+
+DEFAULT_SITE = "/tmp/vllm-site"
+SERVED_NAME = "bench"
+MIN_COSINE = 0.999
+MAX_SCORE_DIFF = 1e-2
+# How vLLM's docs load the original Qwen3-Reranker: a sequence classifier whose one logit is
+# logit("yes") - logit("no") from the LM head rows; sigmoid of it is softmax(no, yes)[yes].
+RERANK_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
+                    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+# Per suite, start-up included; a suite past its limit is killed with its engine and server.
+TIMEOUT_S = {"reference": 240, "inproc": 240, "server": 360, "scoring_inproc": 180, "scoring_server": 240}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What is measured; the full plan mirrors perf/bench_engine.py and perf/bench_server.py."""
+
+    embed_model: str = "qwen3-0.6b"
+    rerank_model: str = "qwen3-reranker-0.6b"
+    lat_lengths: tuple[int, ...] = (128, 512, 4096)
+    tput_lengths: tuple[int, ...] = (512, 1024, 4096)
+    check_length: int = 512  # bench_server.py's check: 8 windows of 512 tokens, seed 5
+    conc_length: int = 512
+    conc_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    score_batches: tuple[int, ...] = (5, 25, 50)
+    score_length: int = 512
+    latency_n: int = 40
+    concurrency_n: int = 200
+    tput_reps: int = 3  # in-process: timed calls of 100 texts after one warm-up call
+    requests_per_proc: int = 4  # server: requests of 100 per client process (bench_server.py's 4)
+
+    @staticmethod
+    def dry() -> Plan:
+        """The tiny Qwen3 shapes and one short length of each: seconds on a CPU."""
+        return Plan(embed_model="qwen3-tiny", rerank_model="qwen3-reranker-tiny", lat_lengths=(128,),
+                    tput_lengths=(128,), check_length=128, conc_length=128, conc_levels=(1, 2),
+                    score_batches=(2, 5), score_length=128, latency_n=5, concurrency_n=10, tput_reps=2,
+                    requests_per_proc=2)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything a child process needs (written to WORKDIR/run.json by the parent)."""
+
+    workdir: str
+    plan: Plan
+    embed_folder: str
+    rerank_folder: str
+    dry_run: bool
+    gpu_memory_utilization: float
+    scoring_inputs: str  # "template" (the official Qwen3-Reranker prompt) or "windows" (bench_server.py today)
+    suites: tuple[str, ...]  # the children to run after the reference
+
+    def save(self) -> None:
+        (Path(self.workdir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
+
+    @staticmethod
+    def load(workdir: str) -> Run:
+        raw = json.loads((Path(workdir) / "run.json").read_text())
+        plan = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.pop("plan").items()}
+        return Run(plan=Plan(**plan), suites=tuple(raw.pop("suites")), **raw)
+
+    def engine_args(self) -> dict[str, Any]:
+        """LLM(...) keywords; VllmServer passes the same as flags."""
+        return {"runner": "pooling", "dtype": "bfloat16", "enable_prefix_caching": False,
+                "max_num_batched_tokens": 16384, "max_model_len": 8192,
+                "gpu_memory_utilization": self.gpu_memory_utilization, "seed": 0}
+
+
+class CheckFailed(RuntimeError):
+    """vLLM's outputs disagree with the reference: the suite is not timed."""
+
+
+def say(name: str, msg: str) -> None:
+    print(f"bench_vllm[{name}]: {msg}", flush=True)
+
+
+# --- inputs (deterministic: every process rebuilds the same ids) ----------------------------------
+def latency_inputs(windows: TokenWindows, length: int) -> list[list[np.ndarray]]:
+    """20 distinct windows, one per request (bench_engine.py and bench_server.py)."""
+    return [[s] for s in windows.ids(length, 20, seed=length)]
+
+
+def embed_check_inputs(windows: TokenWindows, plan: Plan) -> list[np.ndarray]:
+    """bench_server.py's check (8 x 512, seed 5) plus the first latency input of every length (to 4096)."""
+    return windows.ids(plan.check_length, 8, seed=5) + [latency_inputs(windows, n)[0][0] for n in plan.lat_lengths]
+
+
+def scoring_requests(folder: Path, windows: TokenWindows, batch: int, length: int, how: str) -> list[list[np.ndarray]]:
+    """10 requests of `batch` (query, document) pairs of exactly `length` tokens each.
+
+    "template": one query and `batch` documents per request (text windows of the corpus) laid out by
+    pergola's RerankTokenizer as the official Qwen3-Reranker code does (system prefix, instruction,
+    query, document, assistant suffix), the document cut to fill `length`. "windows": plain token
+    windows, what perf/bench_server.py's scoring suite sends to the encoder today (same cost).
+    """
+    if how == "windows":
+        return [windows.ids(length, batch, seed=100 * batch + i) for i in range(10)]
+    from pergola.rerank import RerankTokenizer
+
+    tok = RerankTokenizer(load_model_spec(folder, task="rerank"), "qwen3-reranker", max_length=length)
+    requests = []
+    for i in range(10):
+        seed = 100 * batch + i
+        query = windows.texts(24, 1, seed=seed)[0]
+        documents = windows.texts(length, batch, seed=50_000 + seed)  # longer than the room left: cut to fit
+        enc = tok.encode(query, documents, truncate=True)
+        if not (enc.lengths == length).all():
+            raise ValueError(f"scoring pairs of {sorted(set(enc.lengths.tolist()))} tokens, expected {length}")
+        requests.append(np.split(enc.input_ids, np.cumsum(enc.lengths)[:-1]))
+    return requests
+
+
+def time_batches(call: Callable[[list[np.ndarray]], Any], batch: list[np.ndarray], reps: int) -> dict:
+    """Throughput of `reps` calls on one batch after a warm-up call (results come back on the host)."""
+    call(batch)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call(batch)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(s) for s in batch) * reps
+    return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
+
+
+# --- vLLM in-process --------------------------------------------------------------------------------
+def make_llm(folder: str, run: Run, **extra: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=folder, **run.engine_args(), **extra)
+
+
+def llm_embedder(llm: Any) -> Callable[[list[np.ndarray]], np.ndarray]:
+    def embed(seqs: list[np.ndarray]) -> np.ndarray:  # -> [n, dim] float32
+        outs = llm.embed([{"prompt_token_ids": s.tolist()} for s in seqs], use_tqdm=False)
+        return np.asarray([o.outputs.embedding for o in outs], dtype=np.float32)
+
+    return embed
+
+
+def yes_probability(probs: list[float]) -> float:
+    """The score in one classify output: one class, sigmoid(yes - no) (what RERANK_OVERRIDES set up), or,
+    were the overrides not applied, two softmaxed classes in classifier_from_token order (no, yes)."""
+    return probs[0] if len(probs) == 1 else probs[1]
+
+
+def llm_scorer(llm: Any) -> Callable[[list[np.ndarray]], np.ndarray]:
+    def score(seqs: list[np.ndarray]) -> np.ndarray:  # -> [n] float32
+        outs = llm.classify([{"prompt_token_ids": s.tolist()} for s in seqs], use_tqdm=False)
+        return np.asarray([yes_probability(o.outputs.probs) for o in outs], dtype=np.float32)
+
+    return score
+
+
+# --- vLLM's OpenAI-compatible server and an HTTP client ---------------------------------------------
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a free port, started and stopped as a context."""
+
+    def __init__(self, folder: str, run: Run, log_path: Path, hf_overrides: dict | None = None) -> None:
+        a = run.engine_args()
+        self.host, self.port = "127.0.0.1", free_port()
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+                    "--served-model-name", SERVED_NAME, "--runner", a["runner"], "--dtype", a["dtype"],
+                    "--no-enable-prefix-caching", "--max-num-batched-tokens", str(a["max_num_batched_tokens"]),
+                    "--max-model-len", str(a["max_model_len"]), "--seed", str(a["seed"]),
+                    "--gpu-memory-utilization", str(a["gpu_memory_utilization"]),
+                    "--host", self.host, "--port", str(self.port), "--disable-uvicorn-access-log"]
+        if hf_overrides:
+            self.cmd += ["--hf-overrides", json.dumps(hf_overrides)]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.ready_s = 0.0
+
+    def __enter__(self) -> Self:
+        t0 = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            # Same process group as this child: the parent's timeout kill reaches the server too.
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=2)
+            try:
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    self.ready_s = time.perf_counter() - t0
+                    return self
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet
+            finally:
+                conn.close()
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"vLLM server not healthy after 240 s:\n{self.log_tail()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: vLLM shuts its engine core down
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class HttpClient:
+    """One keep-alive HTTP/1.1 connection (stdlib http.client), JSON in, base64 float32 embeddings out."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.conn = http.client.HTTPConnection(host, port, timeout=300)
+
+    def post(self, path: str, body: dict) -> dict:
+        data = json.dumps(body).encode()
+        for attempt in range(2):  # the server closes idle keep-alive connections after 5 s: reconnect once
+            try:
+                self.conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                r = self.conn.getresponse()
+                payload = r.read()
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.conn.close()
+                if attempt:
+                    raise
+        if r.status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {r.status}: {payload[:600]!r}")
+        return json.loads(payload)
+
+    def embed(self, inputs: list) -> np.ndarray:
+        """`inputs`: token-id lists (pre-tokenized) or strings (the server tokenizes). -> [n, dim]."""
+        out = self.post("/v1/embeddings", {"model": SERVED_NAME, "input": inputs, "encoding_format": "base64",
+                                           "embed_dtype": "float32", "endianness": "little"})
+        rows = sorted(out["data"], key=lambda d: d["index"])
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
+
+    def embed_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
+        return self.embed([s.tolist() for s in seqs])
+
+    def classify_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
+        """POST /classify with token-id lists (no tokenization, no template): [n] scores."""
+        out = self.post("/classify", {"model": SERVED_NAME, "input": [s.tolist() for s in seqs]})
+        rows = sorted(out["data"], key=lambda d: d["index"])
+        return np.asarray([yes_probability(d["probs"]) for d in rows], dtype=np.float32)
+
+
+def _throughput_worker(host: str, port: int, batches: list[list[np.ndarray]], barrier: Any, q: Any) -> None:
+    client = HttpClient(host, port)
+    client.embed_ids(batches[0][:2])  # connection warm-up
+    barrier.wait()  # all processes start together, after their (slow) imports
+    t0 = time.time()
+    for batch in batches:
+        client.embed_ids(batch)
+    q.put((len(batches), t0, time.time()))
+
+
+def run_http_throughput(host: str, port: int, windows: TokenWindows, length: int, requests_per_proc: int,
+                        procs: int = 4, batch: int = 100) -> dict:
+    """bench_server.py's run_throughput over HTTP: the same batches (seed 10000 * process + request)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    barrier = ctx.Barrier(procs)
+    workers = []
+    for p in range(procs):
+        batches = [windows.ids(length, batch, seed=10_000 * p + i) for i in range(requests_per_proc)]
+        w = ctx.Process(target=_throughput_worker, args=(host, port, batches, barrier, q))
+        w.start()
+        workers.append(w)
+    try:
+        results = [q.get(timeout=300) for _ in workers]
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    wall = max(r[2] for r in results) - min(r[1] for r in results)  # first start to last finish
+    n = sum(r[0] for r in results) * batch
+    return {"embeddings_per_s": n / wall, "tokens_per_s": n * length / wall, "processes": procs,
+            "batch": batch, "requests": sum(r[0] for r in results)}
+
+
+def _concurrent(host: str, port: int, texts: list[str], concurrency: int, total: int) -> list[float]:
+    """`concurrency` threads, each with its own connection, send `total` batch-1 text requests."""
+    lock, latencies, next_i = threading.Lock(), [], [0]
+
+    def stream() -> None:
+        client = HttpClient(host, port)
+        client.conn.connect()
+        while True:
+            with lock:
+                i = next_i[0]
+                next_i[0] += 1
+            if i >= total:
+                return
+            t0 = time.perf_counter()
+            client.embed([texts[i % len(texts)]])
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(stream) for _ in range(concurrency)]:
+            f.result()
+    return latencies
+
+
+def run_http_concurrency(host: str, port: int, texts: list[str], levels: tuple[int, ...], per_level: int,
+                         name: str) -> dict:
+    out = {}
+    for c in levels:
+        _concurrent(host, port, texts, c, 2 * c)  # warm-up
+        t0 = time.perf_counter()
+        lat = _concurrent(host, port, texts, c, per_level)
+        wall = time.perf_counter() - t0
+        out[c] = percentiles(lat) | {"requests_per_s": len(lat) / wall}
+        say(name, f"concurrency {c:2d}: p50 {out[c]['p50']:.2f} ms, p99 {out[c]['p99']:.2f} ms, "
+                  f"{out[c]['requests_per_s']:.0f} req/s")
+    return out
+
+
+# --- the suites (each runs in a child process) -------------------------------------------------------
+def env_info(with_vllm: bool) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "python": platform.python_version()}
+    if with_vllm:
+        import vllm
+
+        info |= {"vllm": vllm.__version__, "vllm_from": str(Path(vllm.__file__).parent.parent)}
+    return info
+
+
+def suite_reference(run: Run, res: dict) -> None:
+    """HF transformers outputs for every check the other suites make, saved to WORKDIR/reference.npz."""
+    import torch
+    from bench_server import HFReranker
+
+    device = "cpu" if run.dry_run else "cuda"
+    res["device"] = device if run.dry_run else torch.cuda.get_device_name()
+    arrays = {}
+    if {"inproc", "server"} & set(run.suites):
+        spec = load_model_spec(run.embed_folder)
+        check = embed_check_inputs(TokenWindows(spec.tokenizer_file), run.plan)
+        hf = HFBaseline(Path(run.embed_folder), spec.pooling, spec.normalize, device=device)
+        arrays["embed"] = hf(check)
+        res["embed_check"] = {"sequences": len(check), "lengths": sorted({len(s) for s in check})}
+        say("reference", f"embeddings of {len(check)} check sequences ({res['embed_check']['lengths']} tokens)")
+        del hf
+    if {"scoring_inproc", "scoring_server"} & set(run.suites):
+        windows = TokenWindows(load_model_spec(run.rerank_folder).tokenizer_file)
+        hf_rr = HFReranker(Path(run.rerank_folder), device)
+        for batch in run.plan.score_batches:
+            first = scoring_requests(Path(run.rerank_folder), windows, batch, run.plan.score_length,
+                                     run.scoring_inputs)[0]
+            arrays[f"score_{batch}"] = hf_rr(first)
+        res["score_check"] = {"inputs": run.scoring_inputs, "batches": list(run.plan.score_batches)}
+        say("reference", f"scores of the first request of {list(run.plan.score_batches)} pairs")
+        del hf_rr
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    np.savez(Path(run.workdir) / "reference.npz", **arrays)
+
+
+def reference(run: Run, *keys: str) -> dict[str, np.ndarray]:
+    """The reference suite's outputs; CheckFailed if `keys` are not all there."""
+    path = Path(run.workdir) / "reference.npz"
+    ref = dict(np.load(path)) if path.is_file() else {}
+    if missing := [k for k in keys if k not in ref]:
+        raise CheckFailed(f"no reference outputs for {missing}: vLLM's outputs cannot be checked")
+    return ref
+
+
+def suite_inproc(run: Run, res: dict) -> None:
+    name, plan = "inproc", run.plan
+    spec = load_model_spec(run.embed_folder)
+    windows = TokenWindows(spec.tokenizer_file)
+    ref = reference(run, "embed")["embed"]
+    t0 = time.perf_counter()
+    if run.dry_run:  # the same code path with HF transformers standing in for vLLM
+        embed = HFBaseline(Path(run.embed_folder), spec.pooling, spec.normalize, device="cpu")
+    else:
+        llm = make_llm(run.embed_folder, run)
+        embed = llm_embedder(llm)
+    res["load_s"] = time.perf_counter() - t0
+    say(name, f"engine ready in {res['load_s']:.1f} s")
+    res["min_cosine_vs_hf"] = cosine_min(embed(embed_check_inputs(windows, plan)), ref)
+    say(name, f"check vs HF transformers: min cosine {res['min_cosine_vs_hf']:.5f}")
+    if not res["min_cosine_vs_hf"] >= MIN_COSINE:
+        raise CheckFailed(f"min cosine {res['min_cosine_vs_hf']:.5f} < {MIN_COSINE}: not timed")
+    res["latency"] = {}
+    for length in plan.lat_lengths:
+        row = {"vllm": time_latency(embed, latency_inputs(windows, length), plan.latency_n)}
+        res["latency"][length] = row
+        say(name, f"latency {length:5d} tok: p50 {row['vllm']['p50']:.2f} p90 {row['vllm']['p90']:.2f} "
+                  f"p99 {row['vllm']['p99']:.2f} max {row['vllm']['max']:.2f} ms")
+    res["throughput"] = {}
+    for length in plan.tput_lengths:
+        row = {"vllm": time_batches(embed, windows.ids(length, 100, seed=1000 + length), plan.tput_reps)}
+        res["throughput"][length] = row
+        say(name, f"throughput 100 x {length} tok: {row['vllm']['embeddings_per_s']:.0f} emb/s "
+                  f"({row['vllm']['tokens_per_s'] / 1e3:.0f}k tok/s)")
+
+
+def suite_server(run: Run, res: dict) -> None:
+    name, plan = "server", run.plan
+    windows = TokenWindows(load_model_spec(run.embed_folder).tokenizer_file)
+    ref = reference(run, "embed")["embed"]
+    if run.dry_run:  # inputs only
+        res["skipped"] = "dry run: no vLLM server"
+        res["inputs"] = {"check_sequences": len(embed_check_inputs(windows, plan)),
+                         "texts": len(windows.texts(plan.conc_length, 64, seed=3))}
+        return
+    with VllmServer(run.embed_folder, run, Path(run.workdir) / "vllm_server_embed.log") as server:
+        res["server_ready_s"] = server.ready_s
+        res["server_command"] = " ".join(server.cmd)
+        say(name, f"server ready in {server.ready_s:.1f} s on port {server.port}")
+        client = HttpClient(server.host, server.port)
+        res["min_cosine_vs_hf"] = cosine_min(client.embed_ids(embed_check_inputs(windows, plan)), ref)
+        say(name, f"check vs HF transformers: min cosine {res['min_cosine_vs_hf']:.5f}")
+        if not res["min_cosine_vs_hf"] >= MIN_COSINE:
+            raise CheckFailed(f"min cosine {res['min_cosine_vs_hf']:.5f} < {MIN_COSINE}: not timed")
+        res["latency"] = {}
+        for length in plan.lat_lengths:
+            row = {"vllm": time_latency(client.embed_ids, latency_inputs(windows, length), plan.latency_n)}
+            res["latency"][length] = row
+            say(name, f"latency {length:5d} tok: p50 {row['vllm']['p50']:.2f} p99 {row['vllm']['p99']:.2f} ms")
+        res["throughput"] = {}
+        for length in plan.tput_lengths:
+            row = {"vllm": run_http_throughput(server.host, server.port, windows, length, plan.requests_per_proc)}
+            res["throughput"][length] = row
+            say(name, f"throughput 100 x {length} tok, 4 procs: {row['vllm']['embeddings_per_s']:.0f} emb/s")
+        texts = windows.texts(plan.conc_length, 64, seed=3)  # bench_server.py's texts
+        res["concurrency"] = {"length": plan.conc_length, "vllm": run_http_concurrency(
+            server.host, server.port, texts, plan.conc_levels, plan.concurrency_n, name)}
+
+
+def _scoring(run: Run, res: dict, name: str, ref: dict[str, np.ndarray],
+             score: Callable[[list[np.ndarray]], np.ndarray]) -> None:
+    plan = run.plan
+    windows = TokenWindows(load_model_spec(run.rerank_folder).tokenizer_file)
+    res["inputs"], res["length"], res["scoring"] = run.scoring_inputs, plan.score_length, {}
+    requests = {b: scoring_requests(Path(run.rerank_folder), windows, b, plan.score_length, run.scoring_inputs)
+                for b in plan.score_batches}
+    for batch in plan.score_batches:  # every check before any timing
+        diff = float(np.abs(score(requests[batch][0]) - ref[f"score_{batch}"]).max())
+        res["scoring"][batch] = {"max_abs_diff_vs_hf": diff}
+        say(name, f"check {batch} pairs vs HF transformers: max |diff| {diff:.5f}")
+        if not diff <= MAX_SCORE_DIFF:
+            raise CheckFailed(f"max |diff| {diff:.5f} > {MAX_SCORE_DIFF} at {batch} pairs: not timed")
+    for batch in plan.score_batches:
+        row = res["scoring"][batch]
+        row["vllm"] = time_latency(score, requests[batch], plan.latency_n)
+        say(name, f"scoring {batch:2d} x {plan.score_length} tok: p50 {row['vllm']['p50']:.2f} "
+                  f"p99 {row['vllm']['p99']:.2f} ms")
+
+
+def suite_scoring_inproc(run: Run, res: dict) -> None:
+    ref = reference(run, *(f"score_{b}" for b in run.plan.score_batches))
+    t0 = time.perf_counter()
+    if run.dry_run:
+        from bench_server import HFReranker
+
+        score = HFReranker(Path(run.rerank_folder), "cpu")
+    else:
+        llm = make_llm(run.rerank_folder, run, hf_overrides=RERANK_OVERRIDES)
+        score = llm_scorer(llm)
+    res["load_s"] = time.perf_counter() - t0
+    say("scoring_inproc", f"engine ready in {res['load_s']:.1f} s")
+    _scoring(run, res, "scoring_inproc", ref, score)
+
+
+def suite_scoring_server(run: Run, res: dict) -> None:
+    if run.dry_run:
+        res["skipped"] = "dry run: no vLLM server"
+        return
+    ref = reference(run, *(f"score_{b}" for b in run.plan.score_batches))
+    log = Path(run.workdir) / "vllm_server_rerank.log"
+    with VllmServer(run.rerank_folder, run, log, hf_overrides=RERANK_OVERRIDES) as server:
+        res["server_ready_s"] = server.ready_s
+        res["server_command"] = " ".join(server.cmd)
+        say("scoring_server", f"server ready in {server.ready_s:.1f} s on port {server.port}")
+        _scoring(run, res, "scoring_server", ref, HttpClient(server.host, server.port).classify_ids)
+
+
+SUITES: dict[str, Callable[[Run, dict], None]] = {
+    "reference": suite_reference, "inproc": suite_inproc, "server": suite_server,
+    "scoring_inproc": suite_scoring_inproc, "scoring_server": suite_scoring_server,
+}
+
+
+def child_main(name: str, workdir: str) -> int:
+    """Run one suite; its results (partial ones too, and the error) go to WORKDIR/NAME.json."""
+    run = Run.load(workdir)
+    res: dict = {}
+    code = 0
+    try:
+        res["env"] = env_info(with_vllm=not run.dry_run and name != "reference")
+        SUITES[name](run, res)
+    except CheckFailed as e:
+        res["error"] = f"check failed: {e}"
+        code = 1
+    except Exception as e:  # noqa: BLE001 - recorded; the parent goes on with the next suite
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()[-4000:]
+        code = 1
+    if "error" in res:
+        say(name, f"FAILED: {res['error'][:2000]}")
+    (Path(workdir) / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    return code
+
+
+# --- the parent: folders, children, the JSON ------------------------------------------------------------
+def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
+    """Start `python bench_vllm.py --child NAME` (the vLLM site first on its path, except for the HF
+    reference); echo its progress lines; kill its whole process group once it exits or times out."""
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if site and name != "reference":
+        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    result_file, log_path = Path(run.workdir) / f"{name}.json", Path(run.workdir) / f"{name}.log"
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--workdir", run.workdir]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)  # its own process group
+    with open(log_path, "w") as log:
+
+        def pump() -> None:  # a thread: an engine core that outlives the child may hold the pipe open
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                if verbose or line.startswith("bench_vllm") or "Error" in line or "Traceback" in line:
+                    print(line, end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=TIMEOUT_S[name])
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:  # leave no engine core or server of this suite behind
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            reader.join(timeout=10)
+    res = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    res["wall_s"] = time.perf_counter() - t0
+    if timed_out:
+        res["error"] = f"timed out after {TIMEOUT_S[name]} s (killed)"
+    elif proc.returncode and "error" not in res:
+        res["error"] = f"exited with {proc.returncode}"
+    if "error" in res:
+        tail = log_path.read_text(errors="replace").splitlines()[-25:]
+        res["log_tail"] = tail
+        print(f"bench_vllm[{name}]: FAILED ({res['error'][:300]}); log {log_path}, last lines:\n  "
+              + "\n  ".join(tail), flush=True)
+    return res
+
+
+def use_bundled_tokenizer(site: str | None) -> None:
+    """The vLLM bundle carries the Qwen3 tokenizer (SITE/pergola-cache): use it when pergola's cache
+    has none, so that this runs on a GPU host that has only the vLLM bundle."""
+    from pergola.testing import cache_dir
+
+    bundled = Path(site or DEFAULT_SITE) / "pergola-cache"
+    if not (cache_dir() / "tokenizer-qwen3" / "tokenizer.json").is_file() \
+            and (bundled / "tokenizer-qwen3" / "tokenizer.json").is_file():
+        os.environ["PERGOLA_CACHE"] = str(bundled)
+
+
+def gpu_name() -> str:
+    """From nvidia-smi: the parent stays off the GPU (vLLM checks free memory when it starts)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             check=False, capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def write_json(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suites", nargs="+", default=["inproc", "server", "scoring"],
+                   choices=["inproc", "server", "scoring"])
+    p.add_argument("--skip-server", action="store_true", help="no HTTP server: drops 'server' and HTTP scoring")
+    p.add_argument("--out", default="perf/out/vllm.json")
+    p.add_argument("--workdir", default=None, help="model folders, logs, reference outputs (default: a new temp dir)")
+    p.add_argument("--vllm-site", default=os.environ.get("VLLM_SITE", DEFAULT_SITE),
+                   help="the site dir scripts/vllm_setup.sh installed vLLM into ('' for vLLM already on the path)")
+    p.add_argument("--latency-n", type=int, default=None, help="timed requests per latency point (default 40)")
+    p.add_argument("--concurrency-n", type=int, default=None, help="requests per concurrency level (default 200)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--scoring-inputs", default="template", choices=["template", "windows"],
+                   help="template: official Qwen3-Reranker prompts; windows: bench_server.py's plain windows")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, HF in place of vLLM, no server")
+    p.add_argument("--verbose", action="store_true", help="echo every line of the suites' logs (vLLM's too)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        sys.exit(child_main(args.child, args.workdir))
+
+    changes = {k: v for k, v in (("latency_n", args.latency_n), ("concurrency_n", args.concurrency_n)) if v}
+    plan = replace(Plan.dry() if args.dry_run else Plan(), **changes)
+    site = None if args.dry_run or not args.vllm_site else args.vllm_site
+    if site and not (Path(site) / "vllm" / "__init__.py").is_file():
+        raise SystemExit(f"no vLLM in {site}: run scripts/vllm_setup.sh on every part of the vLLM bundle "
+                         "first, or pass --vllm-site '' if vllm is importable as it is")
+    names = ["reference"]
+    names += [n for n in ("inproc", "server") if n in args.suites and not (n == "server" and args.skip_server)]
+    if "scoring" in args.suites:
+        names += ["scoring_inproc"] + ([] if args.skip_server else ["scoring_server"])
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-vllm-bench-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    use_bundled_tokenizer(site)
+    print(f"bench_vllm: building the model folders in {workdir} (seed 0, as bench_engine.py)", flush=True)
+    t0 = time.perf_counter()
+    embed_folder, rerank_folder = model_folder(plan.embed_model, workdir), model_folder(plan.rerank_model, workdir)
+    print(f"bench_vllm: folders ready in {time.perf_counter() - t0:.0f} s; suites: {' '.join(names[1:])}", flush=True)
+    run = Run(workdir=str(workdir), plan=plan, embed_folder=str(embed_folder), rerank_folder=str(rerank_folder),
+              dry_run=args.dry_run, gpu_memory_utilization=args.gpu_memory_utilization,
+              scoring_inputs=args.scoring_inputs, suites=tuple(names[1:]))
+    run.save()
+    (workdir / "reference.npz").unlink(missing_ok=True)  # never check against an earlier run's
+
+    import torch
+
+    out = Path(args.out)
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+        "gpu": "cpu (dry run)" if args.dry_run else gpu_name(), "torch": torch.__version__,
+        "python": platform.python_version(), "vllm": None, "vllm_site": site, "dry_run": args.dry_run,
+        "engine_args": run.engine_args(), "rerank_hf_overrides": RERANK_OVERRIDES,
+        "models": {"embed": {"name": plan.embed_model, "folder": str(embed_folder)},
+                   "rerank": {"name": plan.rerank_model, "folder": str(rerank_folder)}},
+        "plan": asdict(plan), "scoring_inputs": args.scoring_inputs, "workdir": str(workdir), "suites": {},
+    }
+    write_json(out, results)
+    for name in names:
+        if "error" in results["suites"].get("reference", {}):
+            results["suites"][name] = {"error": "not run: no reference outputs to check vLLM's against"}
+            continue
+        print(f"bench_vllm: --- {name} (limit {TIMEOUT_S[name]} s)", flush=True)
+        res = run_child(name, run, site, args.verbose)
+        results["suites"][name] = res
+        results["vllm"] = results["vllm"] or res.get("env", {}).get("vllm")
+        write_json(out, results)
+        print(f"bench_vllm: {name}: {'FAILED' if 'error' in res else 'done'} in {res['wall_s']:.0f} s; "
+              f"wrote {out}", flush=True)
+    write_json(out, results)
+    failed = [n for n, r in results["suites"].items() if "error" in r]
+    print(f"bench_vllm: finished; {len(names) - len(failed)} of {len(names)} suites ok"
+          + (f", failed: {' '.join(failed)}" if failed else "") + f"; results in {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
