@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build an offline bundle for an air-gapped GPU host: tritonserver, client wheels, default model.
 
-Usage (on a machine with PyPI access):  python3 scripts/gpu_bundle.py [--with-flashinfer] [--with-perf-analyzer]
+Usage (on a machine with PyPI access):
+    python3 scripts/gpu_bundle.py [--with-flashinfer] [--with-fa4] [--with-perf-analyzer]
 Writes .bundle/part1, .bundle/part2, ... (each at most 60 MB; downloads are cached in .cache/gpu_bundle/).
 Carry one part at a time to the GPU host and run, from the repository root there:
     bash scripts/gpu_setup.sh .bundle/partN        # idempotent, any order; then
@@ -64,6 +65,22 @@ CURAND = "nvidia-curand==10.4.5.25"  # cuRAND headers (CUDA 13) that the FA3 tem
 FLASHINFER_AOT = [("fa2", 128), ("fa3", 128)]
 FLASHINFER_IMPORT_DEPS = ["nvidia-ml-py", "einops", "tabulate", "requests", "tqdm", "packaging", "click",
                           "filelock", "ninja"]
+# FlashAttention-4 (pure Python) and what it imports that the GPU host may lack. Its CuTe DSL needs
+# one toolkit flavour: cu13 (the host's driver is CUDA 13), 92 MB, split across parts like the
+# model and installed once reassembled; the cu12 flavour that nvidia-cutlass-dsl also names is left out.
+FA4_WHEELS = [
+    ("flash-attn-4==4.0.0b36", "site"),
+    ("nvidia-cutlass-dsl==4.8.1", "site"),  # its .pth puts nvidia_cutlass_dsl/dsl_packages (`cutlass`) on the path
+    ("nvidia-cutlass-dsl-libs-core==4.8.1", "site"),
+    ("nvidia-cutlass-dsl-libs-base==4.8.1", "site"),
+    ("quack-kernels==0.6.5", "site"),
+    ("apache-tvm-ffi==0.1.15.post2", "if:apache-tvm-ffi>=0.1.11,<0.2"),
+    ("torch-c-dlpack-ext==0.1.5", "if:torch-c-dlpack-ext"),
+    ("einops==0.8.2", "if:einops"),
+    ("cuda-bindings==13.0.3", "if:cuda-bindings>=12.8"),
+    ("cuda-pathfinder==1.9.0", "if:cuda-pathfinder~=1.1"),
+]
+FA4_CUTLASS_LIBS = "nvidia-cutlass-dsl-libs-cu13==4.8.1"
 PERF_CLIENT = "tritonclient==2.41.1"  # the last wheel that ships perf_analyzer
 
 
@@ -81,6 +98,10 @@ def sha256_file(path: Path) -> str:
 
 def _norm(name: str) -> str:
     return name.lower().replace("-", "_").replace(".", "_")
+
+
+def _dist(req: str) -> str:
+    return _norm(re.split(r"[=<>!~;\[ ]", req, maxsplit=1)[0])
 
 
 def download(req: str) -> Path:
@@ -459,6 +480,8 @@ def write_parts(parts: list[Part], limit: int, out_dir: Path = BUNDLE, prefix: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--with-flashinfer", action="store_true", help="add flashinfer-python 0.5.3 + apache-tvm-ffi")
+    ap.add_argument("--with-fa4", action="store_true",
+                    help="add flash-attn-4 4.0.0b36 + CuTe DSL (cu13) and what it imports (about 110 MB)")
     ap.add_argument("--with-perf-analyzer", action="store_true", help="add perf_analyzer (tritonclient 2.41.1)")
     ap.add_argument("--part-mb", type=float, default=60, help="largest part in MB (10^6 bytes), at most 60")
     args = ap.parse_args()
@@ -478,16 +501,21 @@ def main() -> None:
         aot = build_flashinfer_aot(fi, download(tvm))
         if aot is not None:
             items.append(Item("flashinfer-aot.tar.xz", aot, "fiaot {file}"))
+    big = [(build_model(model_whl)[1], f"models/{MODEL_DIR}/model.safetensors")]
+    if args.with_fa4:
+        have = {_dist(req) for req, _ in wheels}  # --with-flashinfer already carries its apache-tvm-ffi
+        wheels += [(req, where) for req, where in FA4_WHEELS if _dist(req) not in have]
+        libs = download(FA4_CUTLASS_LIBS)
+        big.append((libs, f"wheels/{libs.name}"))  # gpu_setup.sh installs wheels/*.whl once reassembled
     for req, where in wheels:
         whl = download(req)
         items.append(Item(f"wheels/{whl.name}", whl, f"wheel {where} {{file}}"))
     if args.with_perf_analyzer:
         items.append(Item("perf.tar.xz", build_perf(download(PERF_CLIENT), triton_whl), "perf {file}"))
-    model_tar, model_st = build_model(model_whl)
-    items.append(Item("model-files.tar.gz", model_tar, "model {file}"))
+    items.append(Item("model-files.tar.gz", build_model(model_whl)[0], "model {file}"))
     items.append(Item("tokenizer-qwen3.tar.xz", build_qwen3_tokenizer(), "cache {file}"))
 
-    parts = pack(items, [(model_st, f"models/{MODEL_DIR}/model.safetensors")], limit - MANIFEST_ROOM)
+    parts = pack(items, big, limit - MANIFEST_ROOM)
     dirs = write_parts(parts, limit)
     log(f"\nwrote {len(dirs)} parts into {BUNDLE.relative_to(REPO)}/ (limit {limit / MB:.0f} MB each):")
     for d in dirs:

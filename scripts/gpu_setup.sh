@@ -38,7 +38,7 @@ ensure_stubvenv() {
 source "$(dirname "${BASH_SOURCE[0]}")/bundle_lib.sh"
 
 say "unpacking $PART"
-bundle=""
+bundle="" chunked_wheels=()
 while read -r kind a b c d e f <&3; do
   case $kind in
     "#"* | "") ;;
@@ -69,10 +69,17 @@ while read -r kind a b c d e f <&3; do
       printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s/perf/bin/perf_analyzer "$@"\n' \
         "$G" "$G" > "$G/bin/perf_analyzer"
       chmod +x "$G/bin/perf_analyzer"; say "  perf_analyzer -> $G/bin/perf_analyzer" ;;
-    chunk) take_chunk "$PART" "$a" "$b" "$c" "$d" "$e" "$f" ;;  # DEST K N TOTAL SHA256 FILE
+    chunk)  # DEST K N TOTAL SHA256 FILE
+      take_chunk "$PART" "$a" "$b" "$c" "$d" "$e" "$f"
+      [[ $a == wheels/*.whl ]] && chunked_wheels+=("$a") ;;
     *) say "unknown MANIFEST line: $kind" >&2; exit 2 ;;
   esac
 done 3< "$PART/MANIFEST"
+# A wheel split across parts (the CuTe DSL libraries of --with-fa4) goes into the site once the part
+# that completes it has run; install_wheel skips it when that copy is already there.
+for w in "${chunked_wheels[@]}"; do
+  [[ -f $G/$w.sha256 && -f $G/$w ]] && install_wheel "$G/$w" "$SITE"
+done
 [[ -n $bundle ]] && touch "$G/parts/$bundle/$(sed -n 's/^bundle [^ ]* \([0-9]*\) .*/\1/p' "$PART/MANIFEST")"
 
 # --- env.sh: what is there so far -----------------------------------------------------------------
@@ -87,6 +94,8 @@ MODEL=$G/models/all-MiniLM-L6-v2
   echo "export PERGOLA_STUB_BIN=\"$VENV/bin\""
   echo "export PATH=\"$G/bin:\$PATH\""
   echo "export PYTHONPATH=\"$SITE:\$_pergola_repo/python_models:\$_pergola_repo/client\${PYTHONPATH:+:\$PYTHONPATH}\""
+  # `cutlass` (flash-attn-4's CuTe DSL) is put on sys.path by a .pth file, which PYTHONPATH does not read
+  [[ -d $SITE/nvidia_cutlass_dsl/dsl_packages ]] && echo "export PYTHONPATH=\"\$PYTHONPATH:$SITE/nvidia_cutlass_dsl/dsl_packages\""
   if [[ -x $TRITON/bin/tritonserver ]]; then echo "export PERGOLA_TRITON_ROOT='$TRITON'"
   else echo "# PERGOLA_TRITON_ROOT: the part with triton.tar.xz is not unpacked yet"; fi
   [[ -d $G/cache ]] && echo "export PERGOLA_CACHE='$G/cache'"

@@ -64,3 +64,33 @@ def test_flashinfer_not_ready_without_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "flashinfer.jit.attention", None)
     assert ap.candidates(128, torch.bfloat16) == ["torch_flash"]
+
+
+@pytest.mark.parametrize("opt_in,major,importable,expected", [
+    ("1", 9, True, True),     # Hopper, installed, asked for
+    ("1", 10, True, True),    # Blackwell
+    ("", 9, True, False),     # not asked for: its JIT compile stays out of start-up
+    ("1", 8, True, False),    # Ampere: not a supported GPU
+    ("1", 9, False, False),   # not installed
+])
+def test_fa4_candidate_gating(monkeypatch, opt_in, major, importable, expected):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.attention", None)
+    monkeypatch.setenv("PERGOLA_PROBE_FA4", opt_in)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, 0))
+    fake = types.ModuleType("flash_attn.cute") if importable else None
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn") if importable else None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake)
+    names = ap.candidates(128, torch.bfloat16)
+    assert ("flash_attn4" in names) == expected
+    assert names[0] == "torch_flash"
+
+
+def test_flash_attn4_needs_cuda():
+    from pergola.layers.attention import make_backend
+
+    with pytest.raises(ValueError, match="CUDA"):
+        make_backend("flash_attn4", torch.device("cpu"), torch.bfloat16)

@@ -109,12 +109,8 @@ def test_qwen3_0_6b_bidirectional_mean_matches_transformers(qwen3_folders):
     assert cosine_rows(embed_prompt(engine, TEXTS, None), ref).min() >= 0.999
 
 
-@pytest.mark.parametrize("backend", ["flashinfer_fa2", "flashinfer_fa3"])
-def test_flashinfer_inside_graphs_matches_eager(qwen3_folders, backend):
-    """Replays of one bucket with different lengths re-plan FlashInfer into the same buffers."""
-    pytest.importorskip("flashinfer")
-    folder = qwen3_folders["causal-last"]
-    ref = Engine(EngineConfig(model_dir=str(folder), device="cuda", enforce_eager=True))
+def graphed_steps_match(folder, backend: str, ref: Engine) -> Engine:
+    """Random 5-text requests through `backend` with graphs match `ref`; graphs were captured and replayed."""
     # A small token budget splits each request into several pipelined steps.
     eng = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend=backend,
                               max_batch_tokens=192))
@@ -124,7 +120,37 @@ def test_flashinfer_inside_graphs_matches_eager(qwen3_folders, backend):
         assert cosine_rows(embed(eng, texts), embed(ref, texts)).min() >= 0.999
     stats = eng.runner.graphs.stats
     assert stats.replays > 0 and stats.captures > 0
-    assert len(eng.runner.attn.graphed) >= len(stats.keys)
+    return eng
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_fa2", "flashinfer_fa3"])
+def test_flashinfer_inside_graphs_matches_eager(qwen3_folders, backend):
+    """Replays of one bucket with different lengths re-plan FlashInfer into the same buffers."""
+    pytest.importorskip("flashinfer")
+    folder = qwen3_folders["causal-last"]
+    ref = Engine(EngineConfig(model_dir=str(folder), device="cuda", enforce_eager=True))
+    eng = graphed_steps_match(folder, backend, ref)
+    assert len(eng.runner.attn.graphed) >= len(eng.runner.graphs.stats.keys)
+
+
+@pytest.mark.parametrize("kind", ["causal-last", "bidirectional-mean"])
+def test_flash_attn4_eager_and_graphs_match_torch_flash(qwen3_folders, kind):
+    """FlashAttention-4 (scripts/gpu_bundle.py --with-fa4): warm-up (eager), capture and replay of
+    padded graph buckets (empty padding sequences, max_seqlen = the bucket's tokens), and eager
+    steps above the crossover, against PyTorch's FA2 run eagerly."""
+    pytest.importorskip("flash_attn.cute")
+    from pergola.layers.attention import FlashAttention4
+
+    if torch.cuda.get_device_capability()[0] not in FlashAttention4.SUPPORTED_MAJORS:
+        pytest.skip("flash_attn4 needs a Hopper or Blackwell GPU")
+    folder = qwen3_folders[kind]
+    ref = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend="torch_flash",
+                              enforce_eager=True))
+    graphed_steps_match(folder, "flash_attn4", ref)
+    big = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend="flash_attn4",
+                              cuda_graph_max_tokens=64))
+    assert cosine_rows(embed(big, TEXTS), embed(ref, TEXTS)).min() >= 0.999
+    assert big.stats["steps_eager"] >= 1
 
 
 def test_auto_attention_probes_available_kernels(qwen3_folders):

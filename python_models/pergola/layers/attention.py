@@ -92,6 +92,44 @@ class TorchFlashAttention:
         return out
 
 
+class FlashAttention4:
+    """FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL, module `flash_attn.cute`): varlen forward.
+
+    Not yet run on the GPU machine: correctness, graph capture and speed are to be checked there
+    (tests/test_gpu.py). What the package source (4.0.0b36, flash_attn/cute/interface.py) shows:
+    `flash_attn_varlen_func` takes cu_seqlens on the device and max_seqlen as Python ints and reads
+    no tensor on the host in the forward, so the call is graph-safe once its kernel is compiled;
+    it returns (out, lse), lse None unless asked for. Kernels are JIT-compiled per variant on first
+    use (the compile key includes tile choices that depend on max_seqlen, e.g. whether it exceeds
+    one 128-row tile), so a graph key's eager warm-up compiles before its capture, while eager
+    steps may meet a new variant mid-serving. `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1` (read at
+    import) keeps compiled kernels on disk across restarts.
+    """
+
+    name = "flash_attn4"
+    needs_padding = False
+    graph_safe = True
+    # Forward kernels exist for 8.x-12.x in the source; the package names Hopper and Blackwell.
+    SUPPORTED_MAJORS = (9, 10, 11)
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError("attention backend flash_attn4 needs a CUDA device")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major not in self.SUPPORTED_MAJORS:
+            raise ValueError(f"attention backend flash_attn4 needs a Hopper (sm90) or Blackwell (sm100/sm110) "
+                             f"GPU; this one is sm{major}{minor}")
+        from flash_attn.cute import flash_attn_varlen_func  # optional: pip install "flash-attn-4[cu13]"
+
+        self._varlen = flash_attn_varlen_func
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q [T, H, D], k/v [T, Hkv, D] (GQA packed by the kernel); softmax scale defaults to D**-0.5.
+        out, _ = self._varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens, cu_seqlens_k=meta.cu_seqlens,
+                              max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen, causal=meta.causal)
+        return out
+
+
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "sdpa": SdpaAttention,
     "torch_flash": TorchFlashAttention,
@@ -106,9 +144,11 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
         if device.type != "cuda":
             raise ValueError(f"attention backend {name} needs a CUDA device")
         return FlashInferAttention(name.split("_", 1)[1], device, dtype)
+    if name == "flash_attn4":
+        return FlashAttention4(device)
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available here; choose from "
-                         f"{sorted(BACKENDS) + ['flashinfer_fa2', 'flashinfer_fa3']}")
+                         f"{sorted(BACKENDS) + ['flashinfer_fa2', 'flashinfer_fa3', 'flash_attn4']}")
     return BACKENDS[name]()
 
 

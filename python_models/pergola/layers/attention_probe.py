@@ -9,11 +9,16 @@ FlashInfer FA2 at 32 × 512, perf/RESULTS.md), hence measuring instead of a fixe
 FlashInfer kernels that are not compiled yet are left out: compiling them on first use takes
 20-70 s, which a start-up must not pay silently. Ship them prebuilt (scripts/gpu_bundle.py) or
 name the backend explicitly in the config to compile it once.
+
+FlashAttention-4 (`flash_attn4`) also compiles on first use (CuTe DSL JIT, one kernel per variant;
+the probe's shapes need several), for a time not yet measured here, and has no prebuilt form:
+it is timed only when `PERGOLA_PROBE_FA4=1` asks for it, and only on the GPUs it supports.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +57,26 @@ def flashinfer_ready(backend: str, head_dim: int, dtype: torch.dtype) -> bool:
         return False
 
 
+def fa4_ready() -> bool:
+    """Did `PERGOLA_PROBE_FA4=1` opt in, does `flash_attn.cute` import and does this GPU have its kernels?"""
+    if os.environ.get("PERGOLA_PROBE_FA4", "") != "1":
+        return False
+    from pergola.layers.attention import FlashAttention4
+
+    if torch.cuda.get_device_capability()[0] not in FlashAttention4.SUPPORTED_MAJORS:
+        return False
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or its CuTe DSL libraries are missing
+        return False
+    return True
+
+
 def candidates(head_dim: int, dtype: torch.dtype) -> list[str]:
     names = ["torch_flash"]
     names += [f"flashinfer_{b}" for b in ("fa2", "fa3") if flashinfer_ready(b, head_dim, dtype)]
+    if fa4_ready():
+        names.append("flash_attn4")
     return names
 
 
