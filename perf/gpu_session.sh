@@ -37,7 +37,8 @@ for step in "$@"; do
         --out "$OUT/scoring.json" ;;
     vllm)  # vLLM 0.22.0, the seeds' baseline: same models, same inputs, same GPU
       # shellcheck disable=SC1091
-      (source /tmp/vllm-site/env.sh && run vllm python3 perf/bench_vllm.py --out "$OUT/vllm.json") ;;
+      (source /tmp/vllm-site/env.sh && run vllm python3 perf/bench_vllm.py --scoring-inputs windows \
+        --out "$OUT/vllm.json") ;;
     minilm)  # all-MiniLM-L6-v2 (real weights) through pergola's server and vLLM's, same inputs
       run server_minilm python3 perf/bench_server.py --model minilm --latency-n 40 --out "$OUT/server_minilm.json"
       # shellcheck disable=SC1091
