@@ -78,24 +78,36 @@ def _throughput_worker(url: str, batches: list[list[np.ndarray]], barrier, q: mp
     q.put((len(batches), t0, time.time()))
 
 
-def run_throughput(url: str, windows: TokenWindows, length: int, procs: int = 4, batch: int = 100,
-                   requests_per_proc: int = 4) -> dict:
+def run_client_processes(worker, endpoint: tuple, windows: TokenWindows, length: int, procs: int = 4,
+                         batch: int = 100, requests_per_proc: int = 4) -> dict:
+    """The throughput suite for any server: `procs` processes run `worker(*endpoint, batches,
+    barrier, queue)`, start together behind the barrier, each sending `requests_per_proc` batches
+    (seeds 10000 * process + request, the same for every system); embeddings/s over the wall time
+    from the first start to the last finish."""
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     barrier = ctx.Barrier(procs)
     workers = []
     for p in range(procs):
         batches = [windows.ids(length, batch, seed=10_000 * p + i) for i in range(requests_per_proc)]
-        w = ctx.Process(target=_throughput_worker, args=(url, batches, barrier, q))
+        w = ctx.Process(target=worker, args=(*endpoint, batches, barrier, q))
         w.start()
         workers.append(w)
-    results = [q.get(timeout=600) for _ in workers]
-    for w in workers:
-        w.join()
-    wall = max(r[2] for r in results) - min(r[1] for r in results)  # first start to last finish
+    try:
+        results = [q.get(timeout=300) for _ in workers]
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    wall = max(r[2] for r in results) - min(r[1] for r in results)
     n = sum(r[0] for r in results) * batch
     return {"embeddings_per_s": n / wall, "tokens_per_s": n * length / wall, "processes": procs,
             "batch": batch, "requests": sum(r[0] for r in results)}
+
+
+def run_throughput(url: str, windows: TokenWindows, length: int, requests_per_proc: int = 4) -> dict:
+    return run_client_processes(_throughput_worker, (url,), windows, length, requests_per_proc=requests_per_proc)
 
 
 # --- concurrency: text, batch 1, N in flight (asyncio gRPC) ------------------------------------

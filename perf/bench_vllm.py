@@ -68,7 +68,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import (  # noqa: E402
-    LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles, time_latency)
+    LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput)
+from bench_server import HFReranker, run_client_processes  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.hf_folder import load_model_spec  # noqa: E402
@@ -128,7 +129,6 @@ class Plan:
     score_length: int = 512
     latency_n: int = 40
     concurrency_n: int = 200
-    tput_reps: int = 3  # in-process: timed calls of 100 texts after one warm-up call
     requests_per_proc: int = 4  # server: requests of 100 per client process (bench_server.py's 4)
     max_model_len: int = 8192
 
@@ -137,7 +137,7 @@ class Plan:
         """The tiny Qwen3 shapes and one short length of each: seconds on a CPU."""
         return Plan(embed_model="qwen3-tiny", rerank_model="qwen3-reranker-tiny", lat_lengths=(128,),
                     tput_lengths=(128,), check_length=128, conc_length=128, conc_levels=(1, 2),
-                    score_batches=(2, 5), score_length=128, latency_n=5, concurrency_n=10, tput_reps=2,
+                    score_batches=(2, 5), score_length=128, latency_n=5, concurrency_n=10,
                     requests_per_proc=2, max_model_len=512)  # the tiny folder's max_seq_length
 
     def for_model(self, model: str, dry: bool) -> Plan:
@@ -237,17 +237,6 @@ def scoring_requests(folder: Path, windows: TokenWindows, batch: int, length: in
             raise ValueError(f"scoring pairs of {sorted(set(enc.lengths.tolist()))} tokens, expected {length}")
         requests.append(np.split(enc.input_ids, np.cumsum(enc.lengths)[:-1]))
     return requests
-
-
-def time_batches(call: Callable[[list[np.ndarray]], Any], batch: list[np.ndarray], reps: int) -> dict:
-    """Throughput of `reps` calls on one batch after a warm-up call (results come back on the host)."""
-    call(batch)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        call(batch)
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(s) for s in batch) * reps
-    return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
 
 
 # --- vLLM in-process --------------------------------------------------------------------------------
@@ -384,29 +373,10 @@ def _throughput_worker(host: str, port: int, batches: list[list[np.ndarray]], ba
     q.put((len(batches), t0, time.time()))
 
 
-def run_http_throughput(host: str, port: int, windows: TokenWindows, length: int, requests_per_proc: int,
-                        procs: int = 4, batch: int = 100) -> dict:
-    """bench_server.py's run_throughput over HTTP: the same batches (seed 10000 * process + request)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    barrier = ctx.Barrier(procs)
-    workers = []
-    for p in range(procs):
-        batches = [windows.ids(length, batch, seed=10_000 * p + i) for i in range(requests_per_proc)]
-        w = ctx.Process(target=_throughput_worker, args=(host, port, batches, barrier, q))
-        w.start()
-        workers.append(w)
-    try:
-        results = [q.get(timeout=300) for _ in workers]
-    finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
-    wall = max(r[2] for r in results) - min(r[1] for r in results)  # first start to last finish
-    n = sum(r[0] for r in results) * batch
-    return {"embeddings_per_s": n / wall, "tokens_per_s": n * length / wall, "processes": procs,
-            "batch": batch, "requests": sum(r[0] for r in results)}
+def run_http_throughput(host: str, port: int, windows: TokenWindows, length: int, requests_per_proc: int) -> dict:
+    """bench_server.py's throughput suite over HTTP: the same processes, batches and wall time."""
+    return run_client_processes(_throughput_worker, (host, port), windows, length,
+                                requests_per_proc=requests_per_proc)
 
 
 def _concurrent(host: str, port: int, texts: list[str], concurrency: int, total: int) -> list[float]:
@@ -461,7 +431,6 @@ def env_info(with_vllm: bool) -> dict:
 def suite_reference(run: Run, res: dict) -> None:
     """HF transformers outputs for every check the other suites make, saved to WORKDIR/reference.npz."""
     import torch
-    from bench_server import HFReranker
 
     device = "cpu" if run.dry_run else "cuda"
     res["device"] = device if run.dry_run else torch.cuda.get_device_name()
@@ -529,7 +498,7 @@ def suite_inproc(run: Run, res: dict) -> None:
                   f"p99 {row['vllm']['p99']:.2f} max {row['vllm']['max']:.2f} ms")
     res["throughput"] = {}
     for length in plan.tput_lengths:
-        row = {"vllm": time_batches(embed, windows.ids(length, 100, seed=1000 + length), plan.tput_reps)}
+        row = {"vllm": time_throughput(embed, windows.ids(length, 100, seed=1000 + length))}
         res["throughput"][length] = row
         say(name, f"throughput 100 x {length} tok: {row['vllm']['embeddings_per_s']:.0f} emb/s "
                   f"({row['vllm']['tokens_per_s'] / 1e3:.0f}k tok/s)")
@@ -593,8 +562,7 @@ def suite_scoring_inproc(run: Run, res: dict) -> None:
     ref = reference(run, *(f"score_{b}" for b in run.plan.score_batches))
     t0 = time.perf_counter()
     if run.dry_run:
-        from bench_server import HFReranker
-
+    
         score = HFReranker(Path(run.rerank_folder), "cpu")
     else:
         llm = make_llm(run.rerank_folder, run, hf_overrides=RERANK_OVERRIDES)
@@ -627,6 +595,9 @@ def child_main(name: str, workdir: str) -> int:
     """Run one suite; its results (partial ones too, and the error) go to WORKDIR/NAME.json."""
     base, model = split_suite(name)
     run = Run.load(workdir).for_model(model)
+    import bench_engine
+
+    bench_engine.DEVICE = "cpu" if run.dry_run else "cuda"  # what time_latency/time_throughput sync
     res: dict = {}
     code = 0
     try:

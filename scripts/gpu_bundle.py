@@ -477,6 +477,18 @@ def write_parts(parts: list[Part], limit: int, out_dir: Path = BUNDLE, prefix: s
     return out
 
 
+def report_parts(dirs: list[Path], setup: str, then: str, contents) -> None:
+    """Each part's size and `contents(part)`, then the setup call per part on the GPU host."""
+    shown = [d.resolve().relative_to(REPO) if d.resolve().is_relative_to(REPO) else d for d in dirs]
+    for d, name in zip(dirs, shown):
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        log(f"  {name}  {size / MB:5.1f} MB  {contents(d)}")
+    log(f"\non the GPU host, one call per part (carry [\"{shown[0].parent}/{dirs[0].name[:-1]}N\"]):")
+    for name in shown:
+        log(f"  bash {setup} {name}")
+    log(f"then: {then}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--with-flashinfer", action="store_true", help="add flashinfer-python 0.5.3 + apache-tvm-ffi")
@@ -518,15 +530,12 @@ def main() -> None:
     parts = pack(items, big, limit - MANIFEST_ROOM)
     dirs = write_parts(parts, limit)
     log(f"\nwrote {len(dirs)} parts into {BUNDLE.relative_to(REPO)}/ (limit {limit / MB:.0f} MB each):")
-    for d in dirs:
-        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+    def contents(d: Path) -> str:
         what = [ln.split()[-1] for ln in (d / "MANIFEST").read_text().splitlines()[2:]]
-        short = ["-".join(Path(w).name.split("-")[:2]) if w.endswith(".whl") else Path(w).name for w in what]
-        log(f"  {d.relative_to(REPO)}  {size / MB:5.1f} MB  {', '.join(short)}")
-    log("\non the GPU host, one call per part (carry [\".bundle/partN\"]):")
-    for d in dirs:
-        log(f"  bash scripts/gpu_setup.sh {d.relative_to(REPO)}")
-    log("then: source /tmp/pergola-gpu/env.sh")
+        return ", ".join("-".join(Path(w).name.split("-")[:2]) if w.endswith(".whl") else Path(w).name for w in what)
+
+    report_parts(dirs, "scripts/gpu_setup.sh", "source /tmp/pergola-gpu/env.sh", contents)
 
 
 if __name__ == "__main__":

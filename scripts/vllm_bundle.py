@@ -42,6 +42,7 @@ from gpu_bundle import (  # noqa: E402 - the same packing into parts as pergola'
     build_qwen3_tokenizer,
     log,
     pack,
+    report_parts,
     sha256_file,
     write_parts,
 )
@@ -251,17 +252,15 @@ def main() -> None:
     shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
     log(f"\nwrote {len(dirs)} parts into {shown}/ (limit {limit / MB:.0f} MB each; "
         f"vLLM {vllm_tar.stat().st_size / MB:.1f} MB + wheels {deps_mb:.1f} MB):")
-    for d in dirs:
-        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+    def contents(d: Path) -> str:
         lines = (d / "MANIFEST").read_text().splitlines()[2:]
-        n_wheels = sum(ln.startswith("wheel ") for ln in lines)
         chunks = [ln.split()[2] + "/" + ln.split()[3] for ln in lines if ln.startswith("chunk ")]
-        log(f"  {shown}/{d.name}  {size / MB:5.1f} MB  {n_wheels} wheels"
-            + (f", vllm.tar.xz piece {', '.join(chunks)}" if chunks else ""))
-    log("\non the GPU host, one call per part (carry [\".bundle/vllm_partN\"]):")
-    for d in dirs:
-        log(f"  bash scripts/vllm_setup.sh {shown}/{d.name}")
-    log("then: python perf/bench_vllm.py --out perf/out/vllm.json   (or: source /tmp/vllm-site/env.sh)")
+        return f"{sum(ln.startswith('wheel ') for ln in lines)} wheels" + (
+            f", vllm.tar.xz piece {', '.join(chunks)}" if chunks else "")
+
+    report_parts(dirs, "scripts/vllm_setup.sh",
+                 "python perf/bench_vllm.py --out perf/out/vllm.json   (or: source /tmp/vllm-site/env.sh)", contents)
 
 
 if __name__ == "__main__":
