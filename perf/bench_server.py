@@ -24,11 +24,14 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -131,16 +134,38 @@ async def _concurrency(url: str, texts: list[str], concurrency: int, total: int)
     return latencies
 
 
-def run_concurrency(url: str, texts: list[str], levels: list[int], per_level: int) -> dict:
+def step_modes(metrics_url: str | None) -> Counter[str]:
+    """The encoder's forward steps by mode (eager / warmup / capture / replay) from Triton's metrics."""
+    if metrics_url is None:
+        return Counter()
+    body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    modes: Counter[str] = Counter()
+    for line in body.splitlines():
+        if line.startswith("pergola_steps_total{"):
+            mode = re.search(r'mode="(\w+)"', line)
+            if mode:
+                modes[mode.group(1)] += int(float(line.rsplit(" ", 1)[1]))
+    return modes
+
+
+def run_concurrency(url: str, texts: list[str], levels: list[int], per_level: int,
+                    metrics_url: str | None = None) -> dict:
+    """Latency at N requests in flight; also the steps that captured a CUDA graph while measuring.
+
+    Each level is warmed up with as many requests as it measures, so the graphs of the batch
+    shapes it produces are captured first; a capture inside the measured window is reported.
+    """
     out = {}
     for c in levels:
-        asyncio.run(_concurrency(url, texts, c, 2 * c))  # warm-up (graph capture of the buckets)
+        asyncio.run(_concurrency(url, texts, c, per_level))  # warm-up: lazy graph captures of the buckets
+        before = step_modes(metrics_url)
         t0 = time.perf_counter()
         lat = asyncio.run(_concurrency(url, texts, c, per_level))
         wall = time.perf_counter() - t0
-        out[c] = percentiles(lat) | {"requests_per_s": len(lat) / wall}
+        steps = dict(step_modes(metrics_url) - before)
+        out[c] = percentiles(lat) | {"requests_per_s": len(lat) / wall, "steps_by_mode": steps}
         print(f"  concurrency {c:2d}: p50 {out[c]['p50']:.2f} ms, p99 {out[c]['p99']:.2f} ms, "
-              f"{out[c]['requests_per_s']:.0f} req/s", flush=True)
+              f"{out[c]['requests_per_s']:.0f} req/s, steps {steps}", flush=True)
     return out
 
 
@@ -292,7 +317,8 @@ def main() -> None:
         if "concurrency" in args.suites:
             texts = windows.texts(conc_length, 64, seed=3)
             res["concurrency"] = {"length": conc_length, "pergola": run_concurrency(
-                url, texts, [1, 2] if quick else [1, 2, 4, 8, 16], 20 if quick else args.concurrency_n)}
+                url, texts, [1, 2] if quick else [1, 2, 4, 8, 16], 20 if quick else args.concurrency_n,
+                metrics_url=f"http://127.0.0.1:{opts.metrics_port}/metrics")}
             if hf is not None:
                 st_like = lambda batch: hf.encode_texts(batch)  # noqa: E731 - tokenize + forward, batch 1
                 res["concurrency"]["hf_sequential"] = time_latency(st_like, [[t] for t in texts], 30)

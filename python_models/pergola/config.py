@@ -28,6 +28,8 @@ class EngineConfig:
     eager_attention_backend: backend for steps above the graph crossover ("auto": the same).
     enforce_eager:     never capture CUDA graphs.
     cuda_graph_max_tokens: steps with more tokens run eagerly (the launch-vs-GPU-time crossover).
+    matmul:            "auto" (Triton tiles where measured faster on this GPU, else cuBLAS),
+                       "cublas", or the path of a tile table from perf/bench_gemm.py --write-tiles.
     query_prompt / document_prompt: prompt names or literal prefixes used for the `query` and
                        `document` prompt names when the folder defines none.
     """
@@ -43,6 +45,7 @@ class EngineConfig:
     eager_attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 4096
+    matmul: str = "auto"
     query_prompt: str = ""
     document_prompt: str = ""
     task: str = ""
@@ -58,6 +61,8 @@ class EngineConfig:
         for name in ("max_batch_tokens", "max_batch_seqs", "max_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.matmul not in ("auto", "cublas") and not Path(self.matmul).is_file():
+            raise ValueError(f"matmul must be 'auto', 'cublas' or a tile-table JSON file, got {self.matmul!r}")
         if self.causal not in ("", "true", "false"):
             raise ValueError(f"causal must be '', 'true' or 'false', got {self.causal!r}")
 

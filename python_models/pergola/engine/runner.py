@@ -21,6 +21,7 @@ from pergola.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
+from pergola.layers.linear import tiles_for, use_tiles
 from pergola.models import build_model
 from pergola.pooling import pool
 
@@ -118,6 +119,7 @@ class ModelRunner:
         self.device = device
         self.dtype = DTYPES[cfg.compute_dtype]
         self.model = build_model(spec, device, self.dtype)
+        self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
         self.probe: ProbeResult | None = None
         self.attn, self.eager_attn = self._attention_backends()
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
@@ -192,7 +194,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> torch.Tensor:
         """-> pooled [B, hidden] fp32 on the device (a reranker: its scores [B, num_labels])."""
-        hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
+        with use_tiles(self.matmul_tiles):
+            hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
         return self.model.score(pooled) if self.spec.task == "rerank" else pooled
 

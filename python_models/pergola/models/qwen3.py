@@ -16,7 +16,8 @@ from torch import nn
 
 from pergola.hf_folder import ModelFolderError
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
-from pergola.layers.fused import add_rms_norm, qk_norm_rope, silu_and_mul
+from pergola.layers.fused import add_rms_norm, qk_norm_rope
+from pergola.layers.linear import gated_linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -74,11 +75,16 @@ class Qwen3Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self._project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
         # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
         q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
                                self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
-        return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size))
+        return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size))
+
+    @staticmethod
+    def _project(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        # Qwen3 has attention_bias=False; a biased variant keeps nn.Linear (cuBLAS + bias epilogue).
+        return proj(x) if proj.bias is not None else linear(x, proj.weight)
 
 
 class Qwen3MLP(nn.Module):
@@ -89,7 +95,8 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(inter, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, hidden]
+        # [T, hidden] -> silu(gate) * up [T, I] (one kernel where measured faster) -> [T, hidden]
+        return linear(gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class Qwen3DecoderLayer(nn.Module):

@@ -1,0 +1,69 @@
+"""Matmul kernel selection (CPU): the tile table's lookup and file format, and the Triton kernel's
+indexing run through Triton's interpreter in FP32 (BF16 dots need a GPU: tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pergola.layers.linear import Tile, dump_tiles, load_tiles, pick_tile, table_key, tiles_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pick_tile_walks_rows_in_increasing_m():
+    small, mid = Tile(16, 32, 64), Tile(64, 64, 128)
+    table = {table_key("plain", 1024, 2048): [(64, small), (256, None), (512, mid)]}
+    assert pick_tile(table, "plain", 1, 1024, 2048) == small
+    assert pick_tile(table, "plain", 64, 1024, 2048) == small
+    assert pick_tile(table, "plain", 65, 1024, 2048) is None  # cuBLAS row
+    assert pick_tile(table, "plain", 300, 1024, 2048) == mid
+    assert pick_tile(table, "plain", 513, 1024, 2048) is None  # past the table: cuBLAS
+    assert pick_tile(table, "gated", 1, 1024, 2048) is None  # another kind or shape: cuBLAS
+
+
+def test_a_tile_that_does_not_divide_the_shape_is_not_used():
+    table = {table_key("plain", 384, 1536): [(512, Tile(16, 256, 64))]}
+    assert pick_tile(table, "plain", 8, 384, 1536) is None
+
+
+def test_tile_table_file_round_trip(tmp_path):
+    table = {table_key("gated", 3072, 1024): [(128, Tile(64, 64, 128, 4, 4)), (1024, None)]}
+    dump_tiles(table, str(tmp_path / "t.json"))
+    assert load_tiles(str(tmp_path / "t.json")) == table
+    assert tiles_for(str(tmp_path / "t.json"), torch.device("cpu")) == {}  # the CPU never uses Triton
+    assert tiles_for("cublas", torch.device("cuda")) == {}
+
+
+def test_engine_config_refuses_a_missing_tile_file(tmp_path):
+    from pergola.config import EngineConfig
+
+    with pytest.raises(ValueError, match="matmul"):
+        EngineConfig(model_dir=str(tmp_path), matmul=str(tmp_path / "nope.json"))
+
+
+KERNEL_CHECK = """
+import torch, torch.nn.functional as F
+from pergola.layers.fused import silu_and_mul_ref
+from pergola.layers.linear import Tile, triton_linear
+torch.manual_seed(0)
+for m in (1, 45, 100):
+    x = torch.randn(m, 256); w = torch.randn(192, 256) * 0.06
+    for tile in (Tile(16, 32, 64), Tile(32, 64, 128)):
+        torch.testing.assert_close(triton_linear(x, w, tile), F.linear(x, w), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(triton_linear(x, w, Tile(16, 32, 64), gated=True),
+                                   silu_and_mul_ref(F.linear(x, w)), atol=1e-4, rtol=1e-4)
+print("ok")
+"""
+
+
+def test_triton_kernel_indexing_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python_models"))
+    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
