@@ -27,7 +27,8 @@ def fake_kernels(monkeypatch):
             raise RuntimeError("no kernel image for this GPU")
         return FakeBackend(name)
 
-    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype):
+    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype, graphed=False):
+        assert graphed == (shape in ap.SMALL_SHAPES)  # graph-sized steps are timed in graphs
         small, large = speed[attn.name]
         return small if shape in ap.SMALL_SHAPES else large
 
@@ -44,6 +45,18 @@ def test_probe_picks_fastest_per_step_size(fake_kernels):
     assert (result.graph, result.eager) == ("small", "large")
     assert set(result.backends) == {"small", "large"}
     assert set(result.micros["small"]) == {f"{s}x{n}" for s, n in ap.SMALL_SHAPES + ap.LARGE_SHAPES}
+
+
+def test_probe_picks_a_kernel_per_graph_step_class(fake_kernels, monkeypatch):
+    # "short" wins steps up to 512 tokens, "long" the larger graph steps: two rules.
+    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype, graphed=False):
+        tokens = shape[0] * shape[1]
+        return {"short": 5 if tokens <= 512 else 90, "long": 12 if tokens <= 512 else 40}[attn.name]
+
+    monkeypatch.setattr(ap, "time_backend", timing)
+    result = run(["short", "long"])
+    assert result.graph_rules == [(512, "short"), (max(ap.GRAPH_CLASSES), "long")]
+    assert result.graph == "short" and result.eager == "long"
 
 
 def test_failing_kernel_is_left_out(fake_kernels):

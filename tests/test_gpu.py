@@ -160,8 +160,17 @@ def test_auto_attention_probes_available_kernels(qwen3_folders):
     probe = engine.runner.probe
     assert probe is not None and probe.graph in candidates(128, torch.bfloat16)
     assert engine.runner.attn.name == probe.graph and engine.runner.eager_attn.name == probe.eager
+    for tokens, name in probe.graph_rules:  # each graph step class runs the kernel chosen for it
+        assert engine.runner.graph_backend(tokens).name == name
     if len(probe.backends) > 1:
         assert all(us > 0 for timings in probe.micros.values() for us in timings.values())
+    # Steps of every class (graph warm-up, capture, replay; then eager) agree with the reference kernel.
+    ref = Engine(EngineConfig(model_dir=str(qwen3_folders["causal-last"]), device="cuda",
+                              attention_backend="torch_flash", enforce_eager=True))
+    long_texts = [" ".join(TEXTS) * 3]  # ~1-2k tokens: another graph class than the short texts
+    for texts in (TEXTS, long_texts):
+        for _ in range(3):
+            assert cosine_rows(embed(engine, texts), embed(ref, texts)).min() >= 0.999
 
 
 # --- fused kernels against their PyTorch references ------------------------------------------

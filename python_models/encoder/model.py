@@ -26,8 +26,7 @@ class TritonPythonModel:
         self.hidden = self.engine.spec.hidden_size
         self.rerank = self.engine.spec.task == "rerank"
         runner = self.engine.runner
-        attention = {"graph" if runner.graphs is not None else "eager": runner.attn.name,
-                     "eager": runner.eager_attn.name}
+        attention = runner.attention_in_use()
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
                                  f"CUDA graphs {'on' if runner.graphs is not None else 'off'}")
         if runner.probe is not None and len(runner.probe.micros) > 1:

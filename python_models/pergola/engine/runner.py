@@ -121,7 +121,9 @@ class ModelRunner:
         self.model = build_model(spec, device, self.dtype)
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
         self.probe: ProbeResult | None = None
-        self.attn, self.eager_attn = self._attention_backends()
+        # graph_attn: (most tokens, backend) rules for graph steps; attn: the first (batch-1 steps).
+        self.graph_attn, self.eager_attn = self._attention_backends()
+        self.attn = self.graph_attn[0][1]
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
         # What a step returns per sequence: the pooled embedding, or a reranker's score(s).
         self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
@@ -139,7 +141,7 @@ class ModelRunner:
                 max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
                 self.buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, device)
                 # Host-planned backends are graph-safe only if they re-plan into fixed buffers.
-                graph_safe = getattr(self.attn, "graph_safe", not getattr(self.attn, "needs_plan", False))
+                graph_safe = all(getattr(a, "graph_safe", not getattr(a, "needs_plan", False)) for _, a in self.graph_attn)
                 if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
                     self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
                                              max_seqs)
@@ -150,29 +152,42 @@ class ModelRunner:
         heads = cfg["num_attention_heads"]
         return heads, cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
 
-    def _attention_backends(self) -> tuple[AttentionBackend, AttentionBackend]:
-        """(backend of graph-sized steps, backend of large eager steps).
+    def _attention_backends(self) -> tuple[list[tuple[int, AttentionBackend]], AttentionBackend]:
+        """(rules (most tokens, backend) for graph-sized steps, backend of large eager steps).
 
         "auto" on a GPU in half precision measures the available kernels at start-up
-        (layers/attention_probe.py); an explicit name is used as given. Large eager steps may use
-        another kernel than graphs: `eager_attention_backend` ("auto": the probe's choice, or the
-        same as `attention_backend` when that is explicit).
+        (layers/attention_probe.py) and may pick one kernel per class of graph step size; an
+        explicit name is used as given, for every step. Large eager steps may use another kernel
+        than graphs: `eager_attention_backend` ("auto": the probe's choice, or the same as
+        `attention_backend` when that is explicit).
         """
         cfg, device = self.cfg, self.device
         if cfg.attention_backend == "auto" and device.type == "cuda" and self.dtype != torch.float32:
             self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype)
-            attn = self.probe.backends[self.probe.graph]
+            rules = [(tokens, self.probe.backends[name]) for tokens, name in self.probe.graph_rules]
             eager_name = self.probe.eager
         else:
-            attn = make_backend(cfg.attention_backend, device, self.dtype)
-            eager_name = attn.name
+            rules = [(1 << 62, make_backend(cfg.attention_backend, device, self.dtype))]
+            eager_name = rules[0][1].name
         if cfg.eager_attention_backend not in ("", "auto"):
             eager_name = cfg.eager_attention_backend
-        if eager_name == attn.name:
-            return attn, attn
-        if self.probe is not None and eager_name in self.probe.backends:
-            return attn, self.probe.backends[eager_name]
-        return attn, make_backend(eager_name, device, self.dtype)
+        known = {attn.name: attn for _, attn in rules} | (self.probe.backends if self.probe else {})
+        return rules, known.get(eager_name) or make_backend(eager_name, device, self.dtype)
+
+    def graph_backend(self, num_tokens: int) -> AttentionBackend:
+        """The attention kernel of a graph step of `num_tokens` (padded) tokens."""
+        for max_tokens, attn in self.graph_attn:
+            if num_tokens <= max_tokens:
+                return attn
+        return self.graph_attn[-1][1]
+
+    def attention_in_use(self) -> dict[str, str]:
+        """use -> kernel, for logs and metrics: "graph" (or "graph_upto_N" per size class), "eager"."""
+        if self.graphs is None:
+            return {"eager": self.eager_attn.name}
+        if len(self.graph_attn) == 1:
+            return {"graph": self.attn.name, "eager": self.eager_attn.name}
+        return {f"graph_upto_{tokens}": attn.name for tokens, attn in self.graph_attn} | {"eager": self.eager_attn.name}
 
     # --- CPU path -------------------------------------------------------------------------
     def prepare(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
@@ -207,7 +222,7 @@ class ModelRunner:
         assert self.buffers is not None
         # In a graph the longest sequence is unknown at capture: t bounds it.
         b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal)
-        self.buffers.pooled[:s].copy_(self.forward(b, attn))
+        self.buffers.pooled[:s].copy_(self.forward(b, attn or self.graph_backend(t)))
 
     def _plan(self, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> None:
         """Host-side planning for backends that need it (FlashInfer), once per step."""
@@ -224,7 +239,7 @@ class ModelRunner:
         s, t = key or (num_seqs, num_tokens)
         self.buffers.fill(input_ids, lengths, skips, token_types, s, t)
         if key is not None:
-            self._plan(self.attn, graph_key=key)
+            self._plan(self.graph_backend(t), graph_key=key)
             self.last_mode = self.graphs.run(key)
         else:
             # Above the graph crossover: eager, with the backend measured fastest for big steps.

@@ -1,10 +1,12 @@
 """Start-up probe: time each available ragged-attention kernel on this GPU for this model's heads.
 
-`attention_backend = "auto"` on a GPU runs it once per model load (well under a second): the
-fastest kernel over small steps (those that CUDA graphs replay) drives the graphs, the fastest
-over full token-budget steps drives eager steps above the crossover. Which kernel wins depends
-on the GPU, head layout and step shape (on the H200, Qwen3 heads: PyTorch's FA2 at 1 × 512,
-FlashInfer FA2 at 32 × 512, perf/RESULTS.md), hence measuring instead of a fixed table.
+`attention_backend = "auto"` on a GPU runs it once per model load (about a second). Graph-sized
+steps are timed the way they run, replayed from a CUDA graph (FlashInfer in its CUDA-graph mode),
+and the fastest kernel is chosen per class of step size (up to 512, 2048, 4096 tokens): at one
+128-token text FlashInfer's graph mode pays a split-KV merge kernel per layer that PyTorch's FA2
+does not, while at 4096 tokens FlashInfer's FA3 is twice as fast (perf/RESULTS.md). Full
+token-budget steps are timed eagerly, as they run, and pick the eager kernel. Which kernel wins
+depends on the GPU, head layout and step shape, hence measuring instead of a fixed table.
 
 FlashInfer kernels that are not compiled yet are left out: compiling them on first use takes
 20-70 s, which a start-up must not pay silently. Ship them prebuilt (scripts/gpu_bundle.py) or
@@ -27,18 +29,28 @@ from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_b
 
 log = logging.getLogger("pergola.attention")
 
-# (sequences, tokens each): what graph steps look like (batch-1 queries, small batches) ...
-SMALL_SHAPES = [(1, 128), (1, 512), (8, 128), (4, 512)]
-# ... and what a full 16k-token step of bulk embedding looks like.
+# (sequences, tokens each): what graph steps look like, by class of step size (total tokens) ...
+GRAPH_CLASSES: dict[int, list[tuple[int, int]]] = {
+    512: [(1, 128), (1, 512)],  # online queries
+    2048: [(8, 128), (4, 512), (1, 2048)],  # small batches
+    4096: [(8, 512), (1, 4096)],  # up to the default graph crossover
+}
+SMALL_SHAPES = [shape for shapes in GRAPH_CLASSES.values() for shape in shapes]
+# ... and what a full 16k-token step of bulk embedding looks like (eager).
 LARGE_SHAPES = [(32, 512), (4, 4096)]
 
 
 @dataclass
 class ProbeResult:
-    graph: str  # backend for steps replayed from CUDA graphs
+    graph_rules: list[tuple[int, str]]  # (most tokens, backend) for graph steps, increasing; the last covers the rest
     eager: str  # backend for steps above the graph crossover
     backends: dict[str, AttentionBackend]  # the instances timed, reused by the runner
     micros: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> "SxL" -> µs
+
+    @property
+    def graph(self) -> str:
+        """The kernel of the smallest graph steps (batch-1 queries)."""
+        return self.graph_rules[0][1]
 
 
 def flashinfer_ready(backend: str, head_dim: int, dtype: torch.dtype) -> bool:
@@ -81,8 +93,13 @@ def candidates(head_dim: int, dtype: torch.dtype) -> list[str]:
 
 
 def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: int, causal: bool,
-                 shape: tuple[int, int], device: torch.device, dtype: torch.dtype, iters: int = 10) -> float:
-    """Mean µs of one call on a ragged batch of `shape` (planning, if any, outside the timing)."""
+                 shape: tuple[int, int], device: torch.device, dtype: torch.dtype, iters: int = 10,
+                 graphed: bool = False) -> float:
+    """Mean µs of one call on a ragged batch of `shape` (planning, if any, outside the timing).
+
+    graphed: `iters` calls captured in a CUDA graph and replayed, as a graph step runs them
+    (FlashInfer through its CUDA-graph-mode wrapper); launch overhead is then not counted.
+    """
     seqs, length = shape
     t = seqs * length
     q = torch.randn(t, heads, head_dim, device=device, dtype=dtype)
@@ -91,13 +108,19 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
     cu_host = torch.arange(0, t + 1, length, dtype=torch.int32)
     meta = AttentionMetadata(cu_seqlens=cu_host.to(device), max_seqlen=length, causal=causal)
     if getattr(attn, "needs_plan", False):
-        attn.plan(cu_host, heads, kv_heads, head_dim, causal)
+        attn.plan(cu_host, heads, kv_heads, head_dim, causal, graph_key=(seqs, t) if graphed else None)
     for _ in range(3):
         attn(q, k, v, meta)
+    run = lambda: [attn(q, k, v, meta) for _ in range(iters)]  # noqa: E731
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+        run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        attn(q, k, v, meta)
+    run()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000 / iters
@@ -105,28 +128,39 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
 
 def probe(heads: int, kv_heads: int, head_dim: int, causal: bool, device: torch.device,
           dtype: torch.dtype, names: list[str] | None = None) -> ProbeResult:
-    """Time every candidate on SMALL_SHAPES and LARGE_SHAPES; pick the fastest for each group."""
+    """Time every candidate on each class of graph steps (in graphs) and on LARGE_SHAPES (eager)."""
     names = names or candidates(head_dim, dtype)
+    last = max(GRAPH_CLASSES)
     if len(names) == 1:  # nothing to choose between
-        return ProbeResult(names[0], names[0], {names[0]: make_backend(names[0], device, dtype)})
+        return ProbeResult([(last, names[0])], names[0], {names[0]: make_backend(names[0], device, dtype)})
     backends: dict[str, AttentionBackend] = {}
     micros: dict[str, dict[str, float]] = {}
     for name in names:
         try:
             attn = make_backend(name, device, dtype)
-            micros[name] = {f"{s}x{n}": time_backend(attn, heads, kv_heads, head_dim, causal, (s, n), device, dtype)
-                            for s, n in SMALL_SHAPES + LARGE_SHAPES}
+            micros[name] = {
+                f"{s}x{n}": time_backend(attn, heads, kv_heads, head_dim, causal, (s, n), device, dtype,
+                                         graphed=(s, n) in SMALL_SHAPES)
+                for s, n in SMALL_SHAPES + LARGE_SHAPES}
             backends[name] = attn
         except Exception as e:  # noqa: BLE001 - a kernel that fails here is simply not chosen
             log.warning("attention probe: %s failed (%s: %s); not used", name, type(e).__name__, e)
     if not micros:
-        return ProbeResult("torch_flash", "torch_flash", {"torch_flash": make_backend("torch_flash", device, dtype)})
+        return ProbeResult([(last, "torch_flash")], "torch_flash",
+                           {"torch_flash": make_backend("torch_flash", device, dtype)})
 
     def fastest(shapes: list[tuple[int, int]]) -> str:
         return min(micros, key=lambda b: sum(micros[b][f"{s}x{n}"] for s, n in shapes))
 
-    result = ProbeResult(fastest(SMALL_SHAPES), fastest(LARGE_SHAPES), backends, micros)
+    rules: list[tuple[int, str]] = []
+    for max_tokens, shapes in sorted(GRAPH_CLASSES.items()):
+        best = fastest(shapes)
+        if rules and rules[-1][1] == best:
+            rules[-1] = (max_tokens, best)  # one rule for adjacent classes with the same kernel
+        else:
+            rules.append((max_tokens, best))
+    result = ProbeResult(rules, fastest(LARGE_SHAPES), backends, micros)
     table = "; ".join(f"{b}: " + ", ".join(f"{k} {v:.0f}" for k, v in m.items()) for b, m in micros.items())
-    log.info("attention probe (µs per layer call): %s -> graphs: %s, large eager steps: %s",
-             table, result.graph, result.eager)
+    log.info("attention probe (µs per layer call; graph shapes replayed, large shapes eager): %s -> graphs: %s, "
+             "large eager steps: %s", table, rules, result.eager)
     return result
