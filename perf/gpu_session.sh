@@ -2,7 +2,7 @@
 # The measurements of one GPU-machine session, as named steps, each writing a log + JSON under $OUT.
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
-#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile tests engine server scoring vllm minilm
+#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile gputests tests engine server scoring vllm minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -32,12 +32,14 @@ for step in "$@"; do
           run "profile_${seqs}x${len}_$mm" python3 perf/profile_step.py --seqs "$seqs" --length "$len" --matmul "$mm"
         done
       done ;;
+    gputests)  # the GPU-marked engine tests only (kernels, probe, graphs), a few minutes
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py \
+        tests/test_attention_probe.py ;;
     tests)  # the whole suite with the session server's encoders on the GPU, plus the gpu-marked tests
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests ;;
     engine)  # engine level: start-up probe's choice vs each kernel forced, token budgets
       run engine python3 perf/bench_engine.py --models qwen3-0.6b minilm --latency-n 40 \
-        --variant tf:attention_backend=torch_flash fa2:attention_backend=flashinfer_fa2 \
-                  fa3:attention_backend=flashinfer_fa3 b32k:max_batch_tokens=32768 cublas:matmul=cublas \
+        --variant tf:attention_backend=torch_flash fa3:attention_backend=flashinfer_fa3 cublas:matmul=cublas \
         --out "$OUT/engine.json" ;;
     server)  # the seed suites through tritonserver: latency, throughput, concurrency, perf_analyzer
       run server python3 perf/bench_server.py --model qwen3-0.6b --latency-n 60 --out "$OUT/server.json" ;;
@@ -53,6 +55,6 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
         --suites inproc server --out "$OUT/vllm_minilm.json") ;;
-    *) echo "unknown step $step (gemm profile tests engine server scoring vllm minilm)" >&2; exit 2 ;;
+    *) echo "unknown step $step (gemm profile gputests tests engine server scoring vllm minilm)" >&2; exit 2 ;;
   esac
 done

@@ -50,7 +50,14 @@ class Tile:
 # H200 (perf/RESULTS.md, "Matmul kernels"); `PERGOLA_TRITON_TILES=file.json` (what bench_gemm
 # --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
 TileTable = dict[str, list[tuple[int, Tile | None]]]
-SM90_TILES: TileTable = {}
+# H200, Qwen3-0.6B projections, 2026-12-02 (perf/results/2026-12-02-session3/gemm.log): Triton won
+# only at M <= 64 (gate_up+SiLU 7.6 -> 6.1 µs at M=16, 7.9 -> 6.6 at 64; qkv 5.4 -> 5.2 at 64).
+# From M = 128 cuBLAS (nvjet) wins every shape; at M = 16k Triton is 17-35% slower, which is
+# more than the fused SiLU saves, so large steps stay on cuBLAS + the SiLU kernel.
+SM90_TILES: TileTable = {
+    "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
+    "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128))],
+}
 
 
 def table_key(kind: str, n: int, k: int) -> str:
