@@ -259,14 +259,19 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     load_s = time.perf_counter() - t0
     eager = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", enforce_eager=True))
     # The same engine with other settings ("NAME:field=value,field=value"), timed side by side.
-    variants = {label: Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", **overrides))
-                for label, overrides in parse_variants(args.variant).items()}
+    variants, variant_errors = {}, {}
+    for label, overrides in parse_variants(args.variant).items():
+        try:
+            variants[label] = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", **overrides))
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel without a build for this head size
+            variant_errors[label] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{name}: variant {label} unavailable: {variant_errors[label][:200]}", flush=True)
     hf = HFBaseline(folder, spec.pooling, spec.normalize)
     runner = engine.runner
     res: dict = {"model": name, "folder": str(folder), "engine_load_s": load_s, "latency": {}, "throughput": {},
                  "attention": {"graph": runner.attn.name, "eager": runner.eager_attn.name,
                                "probe_us": None if runner.probe is None else runner.probe.micros},
-                 "variants": parse_variants(args.variant)}
+                 "variants": parse_variants(args.variant), "variant_errors": variant_errors}
     print(f"{name}: loaded in {load_s:.1f} s; attention {res['attention']}", flush=True)
     n = args.latency_n
     for length in LAT_LENGTHS[name]:

@@ -37,10 +37,13 @@ for step in "$@"; do
         tests/test_attention_probe.py ;;
     tests)  # the whole suite with the session server's encoders on the GPU, plus the gpu-marked tests
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests ;;
-    engine)  # engine level: start-up probe's choice vs each kernel forced, token budgets
-      run engine python3 perf/bench_engine.py --models qwen3-0.6b minilm --latency-n 40 \
+    engine)  # engine level: start-up probe's choice vs each kernel / cuBLAS forced (Qwen3), MiniLM as chosen
+      # (MiniLM gets no kernel variants: FlashInfer has no head-dim-32 build and would JIT-fail for minutes)
+      run engine python3 perf/bench_engine.py --models qwen3-0.6b --latency-n 40 \
         --variant tf:attention_backend=torch_flash fa3:attention_backend=flashinfer_fa3 cublas:matmul=cublas \
-        --out "$OUT/engine.json" ;;
+        --out "$OUT/engine_qwen3.json"
+      run engine_minilm python3 perf/bench_engine.py --models minilm --latency-n 40 --backends torch_flash sdpa \
+        --out "$OUT/engine_minilm.json" ;;
     server)  # the seed suites through tritonserver: latency, throughput, concurrency, perf_analyzer
       run server python3 perf/bench_server.py --model qwen3-0.6b --latency-n 60 --out "$OUT/server.json" ;;
     scoring)  # the scoring suite on the Qwen3-Reranker-0.6B shape

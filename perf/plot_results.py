@@ -66,18 +66,20 @@ def bars(ax: Axes, groups: list[int], series: dict[str, list[Json]], unit: str) 
 
 
 def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
-    if not (eng and srv and vl):
-        print("note: latency_batch1.png needs engine_qwen3.json, server.json and vllm.json; skipped")
+    if not (srv and vl):
+        print("note: latency_batch1.png needs server.json and vllm.json; skipped")
         return
-    e, vs, vi = eng["models"][0]["latency"], vl["suites"]["server"]["latency"], vl["suites"]["inproc"]["latency"]
+    vs, vi = vl["suites"]["server"]["latency"], vl["suites"]["inproc"]["latency"]
     lengths = sorted(int(k) for k in srv["latency"])
     series = {
         "pergola server (Triton, gRPC)": [srv["latency"][str(n)]["pergola"] for n in lengths],
         "vLLM server (HTTP /v1/embeddings)": [vs[str(n)]["vllm"] for n in lengths],
-        "pergola engine (in-process, CUDA graph)": [e[str(n)]["pergola_graph"] for n in lengths],
-        "vLLM in-process (llm.embed)": [vi[str(n)]["vllm"] for n in lengths],
-        "HF (transformers in-process)": [e[str(n)]["hf"] for n in lengths],
     }
+    if eng:  # the engine-level run (bench_engine.py) adds pergola in-process
+        series["pergola engine (in-process, CUDA graph)"] = [eng["models"][0]["latency"][str(n)]["pergola_graph"]
+                                                             for n in lengths]
+    series["vLLM in-process (llm.embed)"] = [vi[str(n)]["vllm"] for n in lengths]
+    series["HF (transformers in-process)"] = [srv["latency"][str(n)]["hf"] for n in lengths]
     fig, ax = plt.subplots(figsize=(9, 5))
     ax.set_ylim(1, 300)
     bars(ax, lengths, series, "tokens")
@@ -88,30 +90,33 @@ def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json | No
 
 
 def plot_throughput(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
-    if not (eng and srv and vl):
-        print("note: throughput.png needs engine_qwen3.json, server.json and vllm.json; skipped")
+    if not (srv and vl):
+        print("note: throughput.png needs server.json and vllm.json; skipped")
         return
-    e, vs = eng["models"][0]["throughput"], vl["suites"]["server"]["throughput"]
-    vi, ps = vl["suites"]["inproc"]["throughput"], srv["throughput"]
-    lengths = sorted(int(k) for k in e)
+    vs, vi, ps = vl["suites"]["server"]["throughput"], vl["suites"]["inproc"]["throughput"], srv["throughput"]
+    lengths = sorted(int(k) for k in ps)
     lines: dict[str, tuple[list[float], str]] = {
         "pergola server (Triton, 4 client procs)": ([ps[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "s-"),
         "vLLM server (HTTP, 4 client procs)": ([vs[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "s-"),
-        "pergola engine (in-process)": ([e[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "o--"),
-        "vLLM in-process (llm.embed)": ([vi[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "o--"),
-        "HF (transformers in-process)": ([e[str(n)]["hf"]["embeddings_per_s"] for n in lengths], "^-"),
     }
+    e = eng["models"][0]["throughput"] if eng else None
+    if e:
+        lines["pergola engine (in-process)"] = ([e[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "o--")
+    lines["vLLM in-process (llm.embed)"] = ([vi[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "o--")
+    lines["HF (transformers in-process)"] = ([ps[str(n)]["hf"]["embeddings_per_s"] for n in lengths], "^-")
     fig, ax = plt.subplots(figsize=(9, 5))
-    limit = [e[str(n)]["compute_limit_tokens_per_s"] / n for n in lengths]
-    ax.plot(lengths, limit, "k--", lw=1, label="compute limit (measured matmul rate / length)")
+    if e:
+        limit = [e[str(n)]["compute_limit_tokens_per_s"] / n for n in lengths]
+        ax.plot(lengths, limit, "k--", lw=1, label="compute limit (measured matmul rate / length)")
     for label, (ys, style) in lines.items():
         ax.plot(lengths, ys, style, label=label, color=COLOR[label.split(" (")[0]], ms=6)
     for key, dy in (("pergola server (Triton, 4 client procs)", 6), ("vLLM server (HTTP, 4 client procs)", -12)):
         for n, y in zip(lengths, lines[key][0]):
             ax.annotate(f"{y:.0f}", (n, y), textcoords="offset points", xytext=(6, dy), fontsize=8,
                         color=COLOR[key.split(" (")[0]])
-    ax.text(0.99, 0.97, "pergola server and engine lines coincide", transform=ax.transAxes,
-            ha="right", va="top", fontsize=8)
+    if e:
+        ax.text(0.99, 0.97, "pergola server and engine lines coincide", transform=ax.transAxes,
+                ha="right", va="top", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])

@@ -52,7 +52,7 @@ class Tile:
 TileTable = dict[str, list[tuple[int, Tile | None]]]
 # H200, Qwen3-0.6B projections, 2026-12-02 (perf/results/2026-12-02-session3/gemm.log): Triton won
 # only at M <= 64 (gate_up+SiLU 7.6 -> 6.1 µs at M=16, 7.9 -> 6.6 at 64; qkv 5.4 -> 5.2 at 64).
-# From M = 128 cuBLAS (nvjet) wins every shape; at M = 16k Triton is 17-35% slower, which is
+# From M = 128 cuBLAS (nvjet) wins every shape; at M = 16k Triton is 17-34% slower, which is
 # more than the fused SiLU saves, so large steps stay on cuBLAS + the SiLU kernel.
 SM90_TILES: TileTable = {
     "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
