@@ -64,6 +64,9 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-attention-backend", default=_env("eager_attention_backend", "auto"),
                    help="backend for steps above the CUDA-graph crossover (flashinfer_fa2 is faster there)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--matmul", default=_env("matmul", "auto"),
+                   help="auto (Triton tiles where measured faster on this GPU, else cuBLAS) | cublas | "
+                        "a tile table from perf/bench_gemm.py --write-tiles")
     p.add_argument("--task", choices=["", "embed", "rerank"], default="",
                    help="override what the folder says (e.g. rerank for a Qwen3-Reranker causal LM)")
     p.add_argument("--query-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=query")
@@ -90,7 +93,7 @@ def build_repo(args: argparse.Namespace) -> Path:
             dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_texts=args.max_texts,
             truncate=not args.no_truncate, attention_backend=args.attention_backend,
             eager_attention_backend=args.eager_attention_backend,
-            enforce_eager=args.enforce_eager, query_prompt=args.query_prompt, task=args.task,
+            enforce_eager=args.enforce_eager, matmul=args.matmul, query_prompt=args.query_prompt, task=args.task,
             document_prompt=args.document_prompt, max_queue_size=args.max_queue_size,
             queue_timeout_ms=args.queue_timeout_ms,
         ))

@@ -61,8 +61,10 @@ class EngineConfig:
         for name in ("max_batch_tokens", "max_batch_seqs", "max_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.matmul not in ("auto", "cublas") and not Path(self.matmul).is_file():
-            raise ValueError(f"matmul must be 'auto', 'cublas' or a tile-table JSON file, got {self.matmul!r}")
+        if self.matmul not in ("auto", "cublas"):
+            if not Path(self.matmul).is_file():
+                raise ValueError(f"matmul must be 'auto', 'cublas' or a tile-table JSON file, got {self.matmul!r}")
+            self.matmul = str(Path(self.matmul).resolve())  # the Triton stub runs in another directory
         if self.causal not in ("", "true", "false"):
             raise ValueError(f"causal must be '', 'true' or 'false', got {self.causal!r}")
 
