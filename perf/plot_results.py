@@ -65,6 +65,18 @@ def bars(ax: Axes, groups: list[int], series: dict[str, list[Json]], unit: str) 
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
+def latency_figure(folder: Path, name: str, groups: list[int], series: dict[str, list[Json]], unit: str,
+                   ylim: tuple[float, float], title: str) -> None:
+    """One grouped-bar latency chart (p50 bars, p99 whiskers, log scale) written to `name`."""
+    fig, ax = plt.subplots(figsize=(9, 5))
+    ax.set_ylim(*ylim)
+    bars(ax, groups, series, unit)
+    ax.set_ylabel("ms per request (bar p50, whisker p99)")
+    ax.set_title(title, fontsize=11)
+    ax.legend(fontsize=8, loc="upper left")
+    save(fig, folder, name)
+
+
 def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
     if not (srv and vl):
         print("note: latency_batch1.png needs server.json and vllm.json; skipped")
@@ -80,13 +92,8 @@ def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json | No
                                                              for n in lengths]
     series["vLLM in-process (llm.embed)"] = [vi[str(n)]["vllm"] for n in lengths]
     series["HF (transformers in-process)"] = [srv["latency"][str(n)]["hf"] for n in lengths]
-    fig, ax = plt.subplots(figsize=(9, 5))
-    ax.set_ylim(1, 300)
-    bars(ax, lengths, series, "tokens")
-    ax.set_ylabel("ms per request (bar p50, whisker p99)")
-    ax.set_title(f"{EMBED}: batch-1 latency, pre-tokenized, sequential ({SAME_RUN})")
-    ax.legend(fontsize=8, loc="upper left")
-    save(fig, folder, "latency_batch1.png")
+    latency_figure(folder, "latency_batch1.png", lengths, series, "tokens", (1, 300),
+                   f"{EMBED}: batch-1 latency, pre-tokenized, sequential ({SAME_RUN})")
 
 
 def plot_throughput(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
@@ -172,13 +179,8 @@ def plot_scoring(folder: Path, sc: Json | None, vl: Json | None) -> None:
         "vLLM in-process (llm.classify)": [vi[str(b)]["vllm"] for b in batches],
         "HF (transformers in-process)": [sc["scoring"][str(b)]["hf"] for b in batches],
     }
-    fig, ax = plt.subplots(figsize=(9, 5))
-    ax.set_ylim(3, 400)
-    bars(ax, batches, series, "pairs")
-    ax.set_ylabel("ms per request (bar p50, whisker p99)")
-    ax.set_title(f"{RERANK}: scoring pairs of 512 tokens, pre-tokenized, sequential ({SAME_RUN})", fontsize=11)
-    ax.legend(fontsize=8, loc="upper left")
-    save(fig, folder, "scoring.png")
+    latency_figure(folder, "scoring.png", batches, series, "pairs", (3, 400),
+                   f"{RERANK}: scoring pairs of 512 tokens, pre-tokenized, sequential ({SAME_RUN})")
 
 
 def plot_attention(folder: Path, eng: Json | None) -> None:

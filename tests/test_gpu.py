@@ -216,10 +216,11 @@ def test_triton_linear_matches_cublas(m):
                                    fused.silu_and_mul_ref(F.linear(x, w)), atol=2e-2, rtol=2e-2)
 
 
-def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path):
+def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, monkeypatch):
     """Qwen3 with every matmul on a Triton tile equals the cuBLAS engine (same weights, texts)."""
     import json
 
+    from pergola.layers import linear as linear_mod
     from pergola.layers.linear import Tile, dump_tiles, table_key
 
     folder = qwen3_folders["causal-last"]
@@ -236,5 +237,17 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path):
     base = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul="cublas"))
     tiled = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=str(path)))
     assert tiled.runner.matmul_tiles and not base.runner.matmul_tiles
+    calls = {"plain": 0, "gated": 0}  # the tiled engine must really run Triton, the base one never
+    real = linear_mod.triton_linear
+
+    def spy(x, weight, tile, gated=False):
+        calls["gated" if gated else "plain"] += 1
+        return real(x, weight, tile, gated)
+
+    monkeypatch.setattr(linear_mod, "triton_linear", spy)
+    expected = embed(base, TEXTS)
+    assert calls == {"plain": 0, "gated": 0}
     for _ in range(3):  # warm-up, capture, replay
-        assert cosine_rows(embed(tiled, TEXTS), embed(base, TEXTS)).min() >= 0.999
+        assert cosine_rows(embed(tiled, TEXTS), expected).min() >= 0.999
+    layers = cfg["num_hidden_layers"]
+    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers}  # traced twice: warm-up and capture

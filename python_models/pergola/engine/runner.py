@@ -121,9 +121,8 @@ class ModelRunner:
         self.model = build_model(spec, device, self.dtype)
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
         self.probe: ProbeResult | None = None
-        # graph_attn: (most tokens, backend) rules for graph steps; attn: the first (batch-1 steps).
+        # (most tokens, backend) rules for graph steps, and the backend of large eager steps.
         self.graph_attn, self.eager_attn = self._attention_backends()
-        self.attn = self.graph_attn[0][1]
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
         # What a step returns per sequence: the pooled embedding, or a reranker's score(s).
         self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
@@ -145,6 +144,11 @@ class ModelRunner:
                 if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
                     self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
                                              max_seqs)
+
+    @property
+    def attn(self) -> AttentionBackend:
+        """The kernel of the smallest steps (batch-1 queries): the first graph rule's."""
+        return self.graph_attn[0][1]
 
     def attention_heads(self) -> tuple[int, int, int]:
         """(query heads, key/value heads, head dim) of the model's attention."""
