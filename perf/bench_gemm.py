@@ -139,14 +139,12 @@ def main() -> None:
     tiles: TileTable = {key: rows for key, rows in table.items() if any(t is not None for _, t in rows)}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": time.time() - t0,
             "command": " ".join(sys.argv)}
+    readable = {key: [(m, str(t) if t else "cublas") for m, t in rows] for key, rows in table.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "shapes": results,
-                                          "table": {key: [(m, str(t) if t else "cublas") for m, t in rows]
-                                                    for key, rows in table.items()}}, indent=1))
+    Path(args.out).write_text(json.dumps({"meta": meta, "shapes": results, "table": readable}, indent=1))
     if args.write_tiles:
         dump_tiles(tiles, args.write_tiles)
-    print(json.dumps({key: [(m, str(t) if t else "cublas") for m, t in rows] for key, rows in table.items()},
-                     indent=1))
+    print(json.dumps(readable, indent=1))
 
 
 if __name__ == "__main__":
