@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from pergola.cudagraph import capture
+
 log = logging.getLogger("pergola.graphs")
 
 
@@ -86,8 +88,7 @@ class GraphCache:
             self.stats.eager_warmups += 1
             return "warmup"
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.forward(*key)
+        capture(graph, lambda: self.forward(*key), self.pool)
         # Capture records without executing: replay once so this step's outputs are real.
         graph.replay()
         self.graphs[key] = graph

@@ -9,6 +9,8 @@ builds tensors and calls the model.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,8 @@ from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for, use_tiles
 from pergola.models import build_model
 from pergola.pooling import pool
+
+log = logging.getLogger("pergola.runner")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,7 +122,15 @@ class ModelRunner:
         self.cfg = cfg
         self.device = device
         self.dtype = DTYPES[cfg.compute_dtype]
+        # Where start-up goes (seconds): CUDA context, weights, attention probe; logged.
+        self.startup: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.zeros(1, device=device)  # the CUDA context (first use in the process) is timed on its own
+            self.startup["cuda_init"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
         self.model = build_model(spec, device, self.dtype)
+        self.startup["weights"] = time.perf_counter() - t0
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
         self.probe: ProbeResult | None = None
         # (most tokens, backend) rules for graph steps, and the backend of large eager steps.
@@ -144,6 +156,7 @@ class ModelRunner:
                 if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
                     self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
                                              max_seqs)
+        log.info("runner ready: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup.items()))
 
     @property
     def attn(self) -> AttentionBackend:
@@ -167,7 +180,9 @@ class ModelRunner:
         """
         cfg, device = self.cfg, self.device
         if cfg.attention_backend == "auto" and device.type == "cuda" and self.dtype != torch.float32:
+            t0 = time.perf_counter()
             self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype)
+            self.startup["attention_probe"] = time.perf_counter() - t0
             rules = [(tokens, self.probe.backends[name]) for tokens, name in self.probe.graph_rules]
             eager_name = self.probe.eager
         else:

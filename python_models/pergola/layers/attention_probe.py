@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pergola.cudagraph import capture
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 
 log = logging.getLogger("pergola.attention")
@@ -114,8 +115,7 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
     run = lambda: [attn(q, k, v, meta) for _ in range(iters)]  # noqa: E731
     if graphed:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        capture(graph, run)
         run = graph.replay
         run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
