@@ -2,7 +2,7 @@
 # The measurements of one GPU-machine session, as named steps, each writing a log + JSON under $OUT.
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
-#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile gputests tests engine server scoring vllm minilm
+#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests tests engine server scoring vllm vllm_inproc minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -32,6 +32,12 @@ for step in "$@"; do
           run "profile_${seqs}x${len}_$mm" python3 perf/profile_step.py --seqs "$seqs" --length "$len" --matmul "$mm"
         done
       done ;;
+    prefetch)  # L2 prefetch of the next weight vs the batch-1 matmul chain, per prefetch kernel config
+      run prefetch python3 perf/bench_prefetch.py --out "$OUT/prefetch.json" ;;
+    attnlayout)  # each attention kernel on contiguous q/k/v vs views into the qkv buffer
+      run attn_layout python3 perf/bench_attn_layout.py --shapes 4x4096 8x2048 16x1024 32x512 --out "$OUT/attn_layout.json" ;;
+    anatomy)  # host vs GPU-busy time per call and kernel time by kind; start-up phases
+      run anatomy python3 perf/anatomy.py --shapes 1x128 1x512 100x512 100x1024 100x4096 --out "$OUT/anatomy.json" ;;
     gputests)  # the GPU-marked engine tests only (kernels, probe, graphs), a few minutes
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py \
         tests/test_attention_probe.py ;;
@@ -53,6 +59,10 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm python3 perf/bench_vllm.py --scoring-inputs windows \
         --out "$OUT/vllm.json") ;;
+    vllm_inproc)  # vLLM 0.22.0 in-process only (LLM.embed): the engine-level baseline, a few minutes
+      # shellcheck disable=SC1091
+      (source /tmp/vllm-site/env.sh && run vllm_inproc python3 perf/bench_vllm.py --suites inproc \
+        --out "$OUT/vllm_inproc.json") ;;
     minilm)  # all-MiniLM-L6-v2 (real weights) through pergola's server and vLLM's, same inputs
       run server_minilm python3 perf/bench_server.py --model minilm --latency-n 40 --out "$OUT/server_minilm.json"
       # shellcheck disable=SC1091

@@ -2,9 +2,10 @@
 
     python perf/plot_results.py perf/results/2026-12-02-session2
 
-Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py) and
-vllm.json (bench_vllm.py); writes latency_batch1.png, throughput.png, concurrency.png, scoring.png
-and attention_kernels.png next to them. A plot whose input file is missing is skipped with a note.
+Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py),
+vllm.json or vllm_inproc.json (bench_vllm.py) and anatomy.json (anatomy.py); writes
+latency_batch1.png, throughput.png, concurrency.png, scoring.png, attention_kernels.png and
+anatomy.png next to them. A plot whose input file is missing is skipped with a note.
 (The earlier folder, perf/results/2026-12-02, keeps its PNGs; this script no longer reads its logs.)
 """
 
@@ -216,14 +217,52 @@ def plot_attention(folder: Path, eng: Json | None) -> None:
     save(fig, folder, "attention_kernels.png")
 
 
+ANATOMY_KINDS = {"matmul": "#1f4e9c", "attention": "#6a2c91", "norm": "#4c9a2a", "rope": "#8fc46a",
+                 "act": "#c9b52c", "other": "#bbbbbb"}
+
+
+def plot_anatomy(folder: Path, anatomy: Json | None) -> None:
+    """Per engine call: kernel time by kind and the time the GPU waits, as shares of the wall time."""
+    if not anatomy:
+        print("note: anatomy.png needs anatomy.json (perf/anatomy.py); skipped")
+        return
+    shapes = anatomy["default"]["shapes"]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(shapes) + 1.6))
+    for y, (shape, row) in enumerate(shapes.items()):
+        wall, left = row["wall_us"], 0.0
+        kinds = {k: 0.0 for k in ANATOMY_KINDS}
+        for kind, us in row["kernels_us"].items():
+            kinds[kind if kind in kinds else "other"] += us
+        parts = list(kinds.items()) + [("GPU idle (host, gaps)", max(wall - sum(kinds.values()), 0.0))]
+        for kind, us in parts:
+            share = 100 * us / wall
+            ax.barh(y, share, left=left, color=ANATOMY_KINDS.get(kind, "white"), edgecolor="#555555",
+                    hatch="//" if kind not in ANATOMY_KINDS else None, label=kind if y == 0 else None)
+            if share >= 6:
+                ax.text(left + share / 2, y, f"{share:.0f}%", ha="center", va="center", fontsize=8,
+                        color="white" if kind in ("matmul", "attention") else "black")
+            left += share
+        ax.text(101, y, f"{wall / 1000:.2f} ms" if wall < 1e5 else f"{wall / 1e6:.2f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(shapes)), [s.replace("x", " texts x ") + " tok" for s in shapes], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 112)
+    ax.set_xlabel("% of the wall time of one Engine.encode call (wall time at the right)")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    ax.set_title(f"{EMBED}: where an engine call spends its time (H200, perf/anatomy.py)", fontsize=10)
+    save(fig, folder, "anatomy.png")
+
+
 def main(folder: Path) -> None:
-    eng, srv, sc, vl = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json", "vllm.json"))
+    eng, srv, sc = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json"))
+    # vLLM: the full run (bench_vllm.py), else its in-process suite alone (gpu_session.sh vllm_inproc)
+    vl = load(folder, "vllm.json") if (folder / "vllm.json").exists() else load(folder, "vllm_inproc.json")
     plots: list[Callable[[], None]] = [
         lambda: plot_latency(folder, eng, srv, vl),
         lambda: plot_throughput(folder, eng, srv, vl),
         lambda: plot_concurrency(folder, srv, vl),
         lambda: plot_scoring(folder, sc, vl),
         lambda: plot_attention(folder, eng),
+        lambda: plot_anatomy(folder, load(folder, "anatomy.json")),
     ]
     for plot in plots:
         plot()

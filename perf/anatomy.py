@@ -1,0 +1,130 @@
+"""Anatomy of an engine call on the GPU: host time vs GPU busy time vs kernel time, by kernel kind.
+
+    python perf/anatomy.py --shapes 1x128 100x4096 --variant pf:l2_prefetch_max_tokens=512
+
+For each engine variant and each shape (texts x tokens per call), it reports per call:
+  wall     host time of `Engine.encode` (untraced timing, best of several rounds)
+  busy     time at least one kernel or copy runs (union of intervals, from a torch.profiler trace)
+  idle     wall - busy: the GPU waits for the host (launches, planning, syncs) or between kernels
+  kernels  sum of kernel durations by kind (matmul, attention, norm, rope, act, prefetch, other)
+Where `busy` is far below `wall`, the host or inter-kernel gaps limit the call, not the kernels.
+Also prints how long each engine took to start (weights, attention probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import model_folder, parse_variants, pergola_embed  # noqa: E402
+from inputs import TokenWindows  # noqa: E402
+
+from pergola.config import EngineConfig  # noqa: E402
+from pergola.engine import Engine  # noqa: E402
+from pergola.hf_folder import load_model_spec  # noqa: E402
+
+KINDS = [  # (kind, substrings of kernel names), first match wins (FlashInfer's FA3 is a CUTLASS kernel)
+    ("prefetch", ("_prefetch_kernel",)),
+    ("attention", ("flash", "Prefill", "fmha", "attention", "Attention", "Attn")),
+    ("matmul", ("nvjet", "gemm", "_linear_kernel", "splitKreduce", "cutlass", "sm90_xmma")),
+    ("norm", ("rms_norm",)),
+    ("rope", ("rope",)),
+    ("act", ("silu",)),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, keys in KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1e30
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def trace_calls(engine: Engine, seqs: list[np.ndarray], calls: int) -> dict:
+    """Profile `calls` calls; -> per-call busy µs, kernel µs by kind, kernel count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            pergola_embed(engine, seqs)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    by_kind: dict[str, float] = {}
+    for e in gpu:
+        k = kind_of(e["name"]) if e["cat"] == "kernel" else "copy"
+        by_kind[k] = by_kind.get(k, 0.0) + e["dur"]
+    return {"busy_us": union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / calls,
+            "kernels_us": {k: v / calls for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "kernel_count": sum(e["cat"] == "kernel" for e in gpu) / calls}
+
+
+def wall_us(engine: Engine, seqs: list[np.ndarray], calls: int, rounds: int = 3) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            pergola_embed(engine, seqs)
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--shapes", nargs="+", default=["1x128", "1x512", "100x512", "100x4096"])
+    p.add_argument("--variant", nargs="*", default=[], help="LABEL:field=value,... EngineConfig overrides")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    folder = model_folder(args.model, Path(args.workdir or tempfile.mkdtemp()))
+    windows = TokenWindows(load_model_spec(folder).tokenizer_file)
+    variants = {"default": {}} | parse_variants(args.variant)
+    results: dict = {}
+    for label, overrides in variants.items():
+        t0 = time.perf_counter()
+        engine = Engine(EngineConfig(model_dir=str(folder), device="cuda", **overrides))
+        load_s = time.perf_counter() - t0
+        print(f"[{label}] {overrides}: engine ready in {load_s:.2f} s ({engine.runner.startup})", flush=True)
+        results[label] = {"overrides": overrides, "load_s": load_s, "startup": engine.runner.startup, "shapes": {}}
+        for shape in args.shapes:
+            n, length = map(int, shape.split("x"))
+            seqs = windows.ids(length, n, seed=1)
+            calls = max(3, min(40, 40 * 1024 // (n * length)))
+            for _ in range(3):  # warm-up, lazy graph capture
+                pergola_embed(engine, seqs)
+            wall = wall_us(engine, seqs, calls)
+            traced = trace_calls(engine, seqs, calls)
+            row = {"wall_us": wall, **traced, "idle_us": wall - traced["busy_us"]}
+            results[label]["shapes"][shape] = row
+            kinds = ", ".join(f"{k} {v:.0f}" for k, v in traced["kernels_us"].items())
+            print(f"[{label}] {shape}: wall {wall:.0f} µs, GPU busy {traced['busy_us']:.0f}, idle {row['idle_us']:.0f}"
+                  f" ({row['idle_us'] / wall:.0%}); {traced['kernel_count']:.0f} kernels: {kinds}", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
