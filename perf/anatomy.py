@@ -5,7 +5,8 @@
 For each engine variant and each shape (texts x tokens per call), it reports per call:
   wall     host time of `Engine.encode` (untraced timing, best of several rounds)
   busy     time at least one kernel or copy runs (union of intervals, from a torch.profiler trace)
-  idle     wall - busy: the GPU waits for the host (launches, planning, syncs) or between kernels
+  idle     wall - busy: the GPU waits for the host (launches, planning, syncs) or between kernels;
+           "inside steps" is the part between the kernels of one step (a graph's dependent kernels)
   kernels  sum of kernel durations by kind (matmul, attention, norm, rope, act, prefetch, other)
 Where `busy` is far below `wall`, the host or inter-kernel gaps limit the call, not the kernels.
 Also prints how long each engine took to start (weights, attention probe).
@@ -57,6 +58,21 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def step_gaps_us(gpu: list[dict]) -> float:
+    """Time inside steps when no kernel or copy runs (gaps between dependent kernels).
+
+    A step ends with its device-to-host copy (the LazyTensor), so GPU events are cut into steps
+    after each DtoH copy; a step's gap time is its span (first start to last end) minus its busy
+    time. What the GPU idles between steps (host packing, planning, launching) is not counted.
+    """
+    steps: list[list[tuple[float, float]]] = [[]]
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        steps[-1].append((e["ts"], e["ts"] + e["dur"]))
+        if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]:
+            steps.append([])
+    return sum(max(e for _, e in iv) - min(s for s, _ in iv) - union_us(iv) for iv in steps if iv)
+
+
 def trace_calls(engine: Engine, seqs: list[np.ndarray], calls: int) -> dict:
     """Profile `calls` calls; -> per-call busy µs, kernel µs by kind, kernel count."""
     from torch.profiler import ProfilerActivity, profile
@@ -74,6 +90,7 @@ def trace_calls(engine: Engine, seqs: list[np.ndarray], calls: int) -> dict:
         k = kind_of(e["name"]) if e["cat"] == "kernel" else "copy"
         by_kind[k] = by_kind.get(k, 0.0) + e["dur"]
     return {"busy_us": union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / calls,
+            "step_gaps_us": step_gaps_us(gpu) / calls,
             "kernels_us": {k: v / calls for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "kernel_count": sum(e["cat"] == "kernel" for e in gpu) / calls}
 
@@ -119,7 +136,8 @@ def main() -> None:
             results[label]["shapes"][shape] = row
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in traced["kernels_us"].items())
             print(f"[{label}] {shape}: wall {wall:.0f} µs, GPU busy {traced['busy_us']:.0f}, idle {row['idle_us']:.0f}"
-                  f" ({row['idle_us'] / wall:.0%}); {traced['kernel_count']:.0f} kernels: {kinds}", flush=True)
+                  f" ({row['idle_us'] / wall:.0%}, of which {traced['step_gaps_us']:.0f} between kernels inside steps);"
+                  f" {traced['kernel_count']:.0f} kernels: {kinds}", flush=True)
         del engine
         torch.cuda.empty_cache()
     if args.out:
