@@ -99,7 +99,9 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> nn
             kwargs["score_token_ids"] = _yes_no_ids(spec)
     with torch.device("meta"):
         model = cls(spec.hf_config, **kwargs)
-    model = model.to_empty(device=device).to(dtype)
+    # Cast on the meta device (free), then allocate once in the compute dtype: allocating in fp32
+    # and casting would put 2x the bf16 weights on the GPU first and run a cast per tensor.
+    model = model.to(dtype).to_empty(device=device)
     load_weights(model, spec.path)
     post_load = getattr(model, "post_load", None)
     if post_load is not None:
