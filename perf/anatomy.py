@@ -1,13 +1,13 @@
 """Anatomy of an engine call on the GPU: host time vs GPU busy time vs kernel time, by kernel kind.
 
-    python perf/anatomy.py --shapes 1x128 100x4096 --variant pf:l2_prefetch_max_tokens=512
+    python perf/anatomy.py --shapes 1x128 100x4096 --variant cublas:matmul=cublas
 
 For each engine variant and each shape (texts x tokens per call), it reports per call:
   wall     host time of `Engine.encode` (untraced timing, best of several rounds)
   busy     time at least one kernel or copy runs (union of intervals, from a torch.profiler trace)
   idle     wall - busy: the GPU waits for the host (launches, planning, syncs) or between kernels;
            "inside steps" is the part between the kernels of one step (a graph's dependent kernels)
-  kernels  sum of kernel durations by kind (matmul, attention, norm, rope, act, prefetch, other)
+  kernels  sum of kernel durations by kind (matmul, attention, norm, rope, act, other)
 Where `busy` is far below `wall`, the host or inter-kernel gaps limit the call, not the kernels.
 Also prints how long each engine took to start (weights, attention probe).
 """
@@ -33,7 +33,6 @@ from pergola.engine import Engine  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
 
 KINDS = [  # (kind, substrings of kernel names), first match wins (FlashInfer's FA3 is a CUTLASS kernel)
-    ("prefetch", ("_prefetch_kernel",)),
     ("attention", ("flash", "Prefill", "fmha", "attention", "Attention", "Attn")),
     ("matmul", ("nvjet", "gemm", "_linear_kernel", "splitKreduce", "cutlass", "sm90_xmma")),
     ("norm", ("rms_norm",)),

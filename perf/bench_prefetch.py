@@ -1,6 +1,6 @@
 """Does prefetching the next weight into L2 speed up batch-1 matmuls? Timed in CUDA graphs.
 
-    python perf/bench_prefetch.py [--m 128] [--best-out best.txt]
+    python perf/bench_prefetch.py [--m 128] [--out prefetch.json]
 
 The 112 matmuls of a Qwen3-0.6B forward (28 layers x qkv, o, gate_up, down; distinct weights,
 0.88 GB) at M tokens, replayed from one CUDA graph after L2 has been flushed, four ways:
@@ -10,7 +10,7 @@ The 112 matmuls of a Qwen3-0.6B forward (28 layers x qkv, o, gate_up, down; dist
   prefetch   the prefetch kernels alone, as GB/s from HBM
 Result on the H200 (perf/RESULTS.md): even fully L2-resident the chain takes 92% of its time
 from HBM, and every prefetch configuration made it slower (1.18-4.5x), so the engine does not
-prefetch; the kernel lives here with the experiment. Fastest configuration: --best-out.
+prefetch; the kernel lives here with the experiment.
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, default=128)
     p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--best-out", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -150,8 +149,6 @@ def main() -> None:
     best = min((k for k in results if k.startswith("+prefetch")), key=results.get, default=None)
     if best is not None:
         print(f"best: {best} {results[best]:.0f} µs vs chain {results['chain']:.0f} µs")
-        if args.best_out:
-            Path(args.best_out).write_text(best.split(" ", 1)[1])
     if args.out:
         Path(args.out).write_text(json.dumps({"m": args.m, "bytes": nbytes, "us": results}, indent=1))
 
