@@ -30,6 +30,10 @@ SMALL_TILES = [Tile(bm, bn, bk, 4, st) for bm in (16, 64, 128) for bn in (32, 64
                for st in (4,)]
 LARGE_TILES = [Tile(128, 128, 64, 8, 3), Tile(128, 256, 64, 8, 3), Tile(128, 128, 64, 4, 4), Tile(64, 128, 64, 4, 4),
                Tile(128, 64, 64, 4, 4), Tile(256, 128, 64, 8, 3), Tile(128, 128, 128, 8, 3)]
+# The persistent TMA kernel (gated: bn is the output width, so 128 means a 128 x 256 wgmma tile).
+TMA_TILES = [Tile(bm, bn, bk, w, st, tma=True) for bm, bn, bk, w, st in
+             [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+              (128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
 
 
 def shapes(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[str, int, int]]:
@@ -60,11 +64,12 @@ def graph_time_us(fn, calls: int, replays: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log) -> tuple[list[dict], list]:
+def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
+                m_values: list[int] = M_VALUES) -> tuple[list[dict], list]:
     w_rows = 2 * n if kind == "gated" else n
     weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(layers)]
     rows, table = [], []
-    for m in M_VALUES:
+    for m in m_values:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         if kind == "gated":
             def ref_fn(i, x=x):
@@ -76,14 +81,16 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log) -> t
         cublas = graph_time_us(ref_fn, layers)
         best: tuple[float, Tile | None] = (cublas, None)
         row = {"m": m, "cublas_us": cublas, "triton": {}}
-        for tile in (SMALL_TILES if m <= 512 else LARGE_TILES):
+        for tile in (SMALL_TILES if m <= 256 else LARGE_TILES + TMA_TILES):
             if not tile.fits(n, k) or tile.bm > 2 * max(m, 16):
                 continue
+
+            def fn(i, x=x, tile=tile):
+                return triton_linear(x, weights[i], tile, kind == "gated")
             try:
-                got = triton_linear(x, weights[0], tile, gated=kind == "gated").float()
+                got = fn(0).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
-                us = graph_time_us(lambda i, x=x, tile=tile: triton_linear(x, weights[i], tile, kind == "gated"),
-                                   layers)
+                us = graph_time_us(fn, layers)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
                 row["triton"][str(tile)] = {"error": str(e)[:200]}
                 continue
@@ -96,8 +103,11 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log) -> t
         row.update(best=str(best[1]) if won else "cublas", best_us=best[0] if won else cublas,
                    best_tbps=bytes_moved / (best[0] if won else cublas) / 1e6,
                    best_tflops=2 * m * w_rows * k / (best[0] if won else cublas) / 1e6)
+        timed = [(r["us"], name) for name, r in row["triton"].items() if "us" in r and r["max_rel_err"] < 2e-2]
+        fastest = min(timed, default=(float("nan"), "-"))
         log(f"  M={m:6d}  cuBLAS {cublas:8.2f} µs   best {row['best']:>18s} {row['best_us']:8.2f} µs  "
-            f"({row['best_tbps']:.2f} TB/s, {row['best_tflops']:.0f} TFLOP/s)")
+            f"({row['best_tbps']:.2f} TB/s, {row['best_tflops']:.0f} TFLOP/s)   fastest Triton {fastest[1]} "
+            f"{fastest[0]:.2f} µs")
         rows.append(row)
     return rows, table
 
@@ -123,6 +133,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28, help="distinct weights per graph (the model's layers)")
     p.add_argument("--margin", type=float, default=0.03, help="Triton must beat cuBLAS by this fraction")
     p.add_argument("--only", nargs="*", default=None, help="projections to run (qkv o gate_up down)")
+    p.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="token counts (rows) to time")
     p.add_argument("--out", default="perf/out/gemm.json")
     p.add_argument("--write-tiles", default=None, help="write the chosen table as JSON (PERGOLA_TRITON_TILES)")
     args = p.parse_args()
@@ -133,7 +144,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         print(f"{name}: {kind} N={n} K={k}", flush=True)
-        rows, chosen = bench_shape(kind, n, k, args.layers, args.margin, lambda s: print(s, flush=True))
+        rows, chosen = bench_shape(kind, n, k, args.layers, args.margin, lambda s: print(s, flush=True), args.m)
         results[name] = {"kind": kind, "n": n, "k": k, "rows": rows}
         table[table_key(kind, n, k)] = compact(chosen)
     tiles: TileTable = {key: rows for key, rows in table.items() if any(t is not None for _, t in rows)}

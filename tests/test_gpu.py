@@ -210,7 +210,8 @@ def test_triton_linear_matches_cublas(m):
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 1024, **bf)
     w = torch.randn(2048, 1024, **bf) * 1024**-0.5
-    for tile in (linear.Tile(16, 32, 64), linear.Tile(64, 64, 128), linear.Tile(128, 128, 64, 8, 3)):
+    for tile in (linear.Tile(16, 32, 64), linear.Tile(64, 64, 128), linear.Tile(128, 128, 64, 8, 3),
+                 linear.Tile(128, 128, 64, 8, 3, tma=True), linear.Tile(64, 64, 64, 4, 4, tma=True)):
         torch.testing.assert_close(linear.triton_linear(x, w, tile), F.linear(x, w), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(linear.triton_linear(x, w, tile, gated=True),
                                    fused.silu_and_mul_ref(F.linear(x, w)), atol=2e-2, rtol=2e-2)
@@ -228,26 +229,33 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, mon
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
+    # plain matmuls on the pointer kernel, gate_up + SiLU on the persistent TMA kernel
     tile = Tile(64, 64, 64)
     table = {table_key("plain", n, k): [(1 << 20, tile)] for n, k in
              (((heads + 2 * kv) * d, h), (h, heads * d), (h, inter))}
-    table[table_key("gated", inter, h)] = [(1 << 20, tile)]
+    table[table_key("gated", inter, h)] = [(1 << 20, Tile(64, 64, 64, 4, 4, tma=True))]
     path = tmp_path / "tiles.json"
     dump_tiles(table, str(path))
     base = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul="cublas"))
     tiled = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=str(path)))
     assert tiled.runner.matmul_tiles and not base.runner.matmul_tiles
-    calls = {"plain": 0, "gated": 0}  # the tiled engine must really run Triton, the base one never
-    real = linear_mod.triton_linear
+    calls = {"plain": 0, "gated": 0, "tma": 0}  # the tiled engine must really run Triton, the base one never
+    real, real_tma = linear_mod.triton_linear, linear_mod._launch_tma
 
     def spy(x, weight, tile, gated=False):
         calls["gated" if gated else "plain"] += 1
         return real(x, weight, tile, gated)
 
+    def spy_tma(x, weight, y, tile, gated):
+        calls["tma"] += 1
+        return real_tma(x, weight, y, tile, gated)
+
     monkeypatch.setattr(linear_mod, "triton_linear", spy)
+    monkeypatch.setattr(linear_mod, "_launch_tma", spy_tma)
     expected = embed(base, TEXTS)
-    assert calls == {"plain": 0, "gated": 0}
+    assert calls == {"plain": 0, "gated": 0, "tma": 0}
     for _ in range(3):  # warm-up, capture, replay
         assert cosine_rows(embed(tiled, TEXTS), expected).min() >= 0.999
     layers = cfg["num_hidden_layers"]
-    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers}  # traced twice: warm-up and capture
+    # traced twice: warm-up and capture
+    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers, "tma": 2 * layers}

@@ -1,10 +1,11 @@
 """Matmuls y = x @ W^T of the decoder layers: cuBLAS, or a Triton kernel where it measured faster.
 
-Why a second kernel at all: at batch-1 sizes (M ~ 128 tokens) cuBLAS tiles the output 128 x 128,
-so the 1024-column o/down projections of Qwen3-0.6B run as 8 CTAs on 132 SMs and read their
-weights at ~0.7 TB/s of the H200's 4.8. Narrow Triton tiles (BN 32-64) put 64-256 CTAs on the
-same matmul. `gated` is gate_up + SiLU*mul in one kernel (two accumulators per tile), which
-saves the [M, 2I] round trip through memory at every M.
+Why Triton kernels at all: (1) at batch-1 sizes (M ~ 128 tokens) cuBLAS tiles the output
+128 x 128, so the 1024-column o/down projections of Qwen3-0.6B run as 8 CTAs on 132 SMs and read
+their weights at ~0.7 TB/s of the H200's 4.8; narrow Triton tiles (BN 32-64) put 64-256 CTAs on
+the same matmul. (2) `gated` is gate_up + SiLU*mul in one kernel, which saves the [M, 2I] round
+trip through memory: for large M a persistent TMA kernel whose wgmma tile spans BN gate and BN
+up columns, 18-20% faster than cuBLAS + the SiLU kernel from M = 4096 on the H200.
 
 Which kernel and tile serve which M is a table measured on the GPU (`perf/bench_gemm.py` prints
 it); shapes the table does not cover, and every CPU call, take the PyTorch path. Numerics are
@@ -29,20 +30,30 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    try:  # Triton >= 3.4: host-side TMA descriptors
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        TensorDescriptor = None
+
 
 @dataclass(frozen=True)
 class Tile:
+    """One Triton matmul configuration. `tma`: the persistent kernel that streams x and W tiles
+    with the Hopper tensor-memory accelerator (one CTA per SM walking output tiles), for large M;
+    otherwise the plain one-CTA-per-tile kernel with pointer loads, for small M."""
+
     bm: int
     bn: int
     bk: int
     warps: int = 4
     stages: int = 4
+    tma: bool = False
 
     def fits(self, n: int, k: int) -> bool:
         return n % self.bn == 0 and k % self.bk == 0
 
     def __str__(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}"
+        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}"
 
 
 # "kind:NxK" -> [(largest M, tile or None for cuBLAS)] in increasing M; past the last row, and
@@ -50,13 +61,19 @@ class Tile:
 # H200 (perf/RESULTS.md, "Matmul kernels"); `PERGOLA_TRITON_TILES=file.json` (what bench_gemm
 # --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
 TileTable = dict[str, list[tuple[int, Tile | None]]]
-# H200, Qwen3-0.6B projections, 2026-12-02 (perf/results/2026-12-02-session3/gemm.log): Triton won
-# only at M <= 64 (gate_up+SiLU 7.6 -> 6.1 µs at M=16, 7.9 -> 6.6 at 64; qkv 5.4 -> 5.2 at 64).
-# From M = 128 cuBLAS (nvjet) wins every shape; at M = 16k Triton is 17-34% slower, which is
-# more than the fused SiLU saves, so large steps stay on cuBLAS + the SiLU kernel.
+# H200, Qwen3-0.6B projections, 2026-12-02. Session 3 (perf/results/2026-12-02-session3/gemm.log):
+# the pointer kernel won only at M <= 64 (gate_up+SiLU 7.6 -> 6.1 µs at M=16, 7.9 -> 6.6 at 64; qkv
+# 5.4 -> 5.2 at 64); from M = 128 cuBLAS (nvjet) wins every plain shape, the persistent TMA kernel
+# included (equal at M = 4096, 8-16% slower at 16384; session5/lease1_gemm.log). Session 5
+# (perf/results/2026-12-02-session5/gemm.log): gate_up + SiLU on the TMA kernel beats cuBLAS + the
+# SiLU kernel by 10% at M = 1024 (22.0 vs 24.5 µs) and 18-20% from 4096 (74.6 vs 90.9; 295 vs 367
+# at 16384, 699 TFLOP/s); at M = 128 cuBLAS wins, and 129-512 was not swept, so cuBLAS stays there.
+# Past 16384 (beyond the default step budget) the kernel is in the same compute-bound regime.
 SM90_TILES: TileTable = {
     "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
-    "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128))],
+    "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128)), (512, None),
+                        (1024, Tile(128, 64, 64, 4, 4, tma=True)), (4096, Tile(128, 128, 64, 8, 4, tma=True)),
+                        (1 << 20, Tile(128, 128, 64, 8, 3, tma=True))],
 }
 
 
@@ -145,14 +162,52 @@ if HAVE_TRITON:
                 acc_up = tl.dot(a, tl.load(w_ptrs + GATE_OFFSET * stride_wn), acc_up)
             x_ptrs += BK
             w_ptrs += BK
-        dt = y_ptr.dtype.element_ty
+        out = _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out, mask=m_ok)
+
+    @triton.jit
+    def _epilogue(acc, acc_up, dt, GATED: tl.constexpr):
+        # fp32 accumulators -> the model dtype; gated: silu(gate) * up with HF's roundings.
         if GATED:
             gate = acc.to(dt).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            out = (act * acc_up.to(dt).to(tl.float32)).to(dt)
-        else:
-            out = acc.to(dt)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out, mask=m_ok)
+            return (act * acc_up.to(dt).to(tl.float32)).to(dt)
+        return acc.to(dt)
+
+    @triton.jit
+    def _linear_tma_kernel(x_desc, w_desc, y_desc, M, N, K, GATED: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, ACC_N: tl.constexpr, GROUP_M: tl.constexpr,
+                           NUM_SMS: tl.constexpr):
+        # Persistent: NUM_SMS programs walk the [M / BM, N / BN] output tiles, GROUP_M row-tiles at
+        # a time so the W tiles a group shares stay in L2. TMA loads x [BM, BK] and W tiles into
+        # shared memory (rows past M read as zeros, stores past M are dropped), and the pipeliner
+        # overlaps the next tile's loads with this tile's epilogue (flatten).
+        # GATED: W is seen as [2, I, K] (gate | up), so one [2, BN, BK] load brings the gate rows
+        # and the matching up rows, one [BM, 2 BN] dot multiplies both (the wgmma shape of a
+        # 128 x 256 tile), and the epilogue writes silu(gate) * up [BM, BN]: the [M, 2I] product
+        # never reaches memory. (Two accumulators fed by two loads ran 25% slower: perf/RESULTS.md.)
+        start = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = N // BN
+        per_group = GROUP_M * num_n
+        for tile_id in tl.range(start, num_m * num_n, NUM_SMS, flatten=True):
+            group = tile_id // per_group
+            first_m = group * GROUP_M
+            rows = min(num_m - first_m, GROUP_M)
+            off_m = (first_m + tile_id % rows) * BM
+            off_n = ((tile_id % per_group) // rows) * BN
+            acc = tl.zeros((BM, ACC_N), dtype=tl.float32)
+            for ki in range(K // BK):
+                a = x_desc.load([off_m, ki * BK])
+                if GATED:
+                    acc = tl.dot(a, w_desc.load([0, off_n, ki * BK]).reshape(2 * BN, BK).T, acc)
+                else:
+                    acc = tl.dot(a, w_desc.load([off_n, ki * BK]).T, acc)
+            if GATED:  # [BM, 2 BN] -> gate [BM, BN], up [BM, BN]
+                gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+                y_desc.store([off_m, off_n], _epilogue(gate, up, y_desc.dtype, True))
+            else:
+                y_desc.store([off_m, off_n], _epilogue(acc, acc, y_desc.dtype, False))
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool = False) -> torch.Tensor:
@@ -162,10 +217,42 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
     if not tile.fits(n, k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"tile {tile} does not fit a [{m}, {k}] x [{n}, {k}] matmul")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if tile.tma:
+        return _launch_tma(x, weight, y, tile, gated)
     grid = (n // tile.bn, triton.cdiv(m, tile.bm))
     _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n, GATED=gated,
                          BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps, num_stages=tile.stages)
     return y
+
+
+def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Tile, gated: bool) -> torch.Tensor:
+    if TensorDescriptor is None:
+        raise RuntimeError(f"tile {tile} needs Triton >= 3.4 (tensor descriptors); this is {triton.__version__}")
+    (m, k), n = x.shape, y.shape[1]
+    sms = _sm_count(x.device)
+    x_desc = TensorDescriptor.from_tensor(x, [tile.bm, tile.bk])
+    if gated:  # gate | up [2I, K] as [2, I, K]: one block = BN gate rows + the same BN up rows
+        w_desc = TensorDescriptor(weight, [2, n, k], [n * k, k, 1], [2, tile.bn, tile.bk])
+    else:
+        w_desc = TensorDescriptor.from_tensor(weight, [tile.bn, tile.bk])
+    y_desc = TensorDescriptor.from_tensor(y, [tile.bm, tile.bn])
+    grid = (min(sms, triton.cdiv(m, tile.bm) * (n // tile.bn)),)
+    _linear_tma_kernel[grid](x_desc, w_desc, y_desc, m, n, k, GATED=gated, BM=tile.bm, BN=tile.bn, BK=tile.bk,
+                             ACC_N=tile.bn * (2 if gated else 1), GROUP_M=8, NUM_SMS=sms, num_warps=tile.warps,
+                             num_stages=tile.stages)
+    return y
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (tests): a few programs, each walking several tiles
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
