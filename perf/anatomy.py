@@ -34,7 +34,8 @@ from pergola.hf_folder import load_model_spec  # noqa: E402
 
 KINDS = [  # (kind, substrings of kernel names), first match wins (FlashInfer's FA3 is a CUTLASS kernel)
     ("attention", ("flash", "Prefill", "fmha", "attention", "Attention", "Attn")),
-    ("matmul", ("nvjet", "gemm", "_linear_kernel", "splitKreduce", "cutlass", "sm90_xmma")),
+    # _linear_tma_kernel: large-M gate_up with SiLU*mul in its epilogue (no separate "act" kernel)
+    ("matmul", ("nvjet", "gemm", "_linear_kernel", "_linear_tma_kernel", "splitKreduce", "cutlass", "sm90_xmma")),
     ("norm", ("rms_norm",)),
     ("rope", ("rope",)),
     ("act", ("silu",)),
@@ -135,7 +136,8 @@ def main() -> None:
             results[label]["shapes"][shape] = row
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in traced["kernels_us"].items())
             print(f"[{label}] {shape}: wall {wall:.0f} µs, GPU busy {traced['busy_us']:.0f}, idle {row['idle_us']:.0f}"
-                  f" ({row['idle_us'] / wall:.0%}, of which {traced['step_gaps_us']:.0f} between kernels inside steps);"
+                  f" ({row['idle_us'] / wall:.0%}); under the profiler {traced['step_gaps_us']:.0f} between kernels"
+                  f" inside steps (CUPTI widens these gaps: an upper bound);"
                   f" {traced['kernel_count']:.0f} kernels: {kinds}", flush=True)
         del engine
         torch.cuda.empty_cache()

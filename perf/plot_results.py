@@ -227,7 +227,7 @@ def plot_anatomy(folder: Path, anatomy: Json | None) -> None:
         print("note: anatomy.png needs anatomy.json (perf/anatomy.py); skipped")
         return
     shapes = anatomy["default"]["shapes"]
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(shapes) + 1.6))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(shapes) + 2.0))
     for y, (shape, row) in enumerate(shapes.items()):
         wall, left = row["wall_us"], 0.0
         kinds = {k: 0.0 for k in ANATOMY_KINDS}
@@ -247,7 +247,7 @@ def plot_anatomy(folder: Path, anatomy: Json | None) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 112)
     ax.set_xlabel("% of the wall time of one Engine.encode call (wall time at the right)")
-    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.32))
     ax.set_title(f"{EMBED}: where an engine call spends its time (H200, perf/anatomy.py)", fontsize=10)
     save(fig, folder, "anatomy.png")
 
