@@ -64,11 +64,12 @@ TileTable = dict[str, list[tuple[int, Tile | None]]]
 # H200, Qwen3-0.6B projections, 2026-12-02. Session 3 (perf/results/2026-12-02-session3/gemm.log):
 # the pointer kernel won only at M <= 64 (gate_up+SiLU 7.6 -> 6.1 µs at M=16, 7.9 -> 6.6 at 64; qkv
 # 5.4 -> 5.2 at 64); from M = 128 cuBLAS (nvjet) wins every plain shape, the persistent TMA kernel
-# included (equal at M = 4096, 8-16% slower at 16384; session5/lease1_gemm.log). Session 5
-# (perf/results/2026-12-02-session5/gemm.log): gate_up + SiLU on the TMA kernel beats cuBLAS + the
-# SiLU kernel by 10% at M = 1024 (22.0 vs 24.5 µs) and 18-20% from 4096 (74.6 vs 90.9; 295 vs 367
-# at 16384, 699 TFLOP/s); at M = 128 cuBLAS wins, and 129-512 was not swept, so cuBLAS stays there.
-# Past 16384 (beyond the default step budget) the kernel is in the same compute-bound regime.
+# included (equal at M = 4096, 4-10% slower at 16384; session5/lease1_gemm.log). Session 5
+# (perf/results/2026-12-02-session5/gemm.log, final/gemm_mid.log): gate_up + SiLU on the TMA kernel
+# beats cuBLAS + the SiLU kernel by 10% at M = 1024 (22.0 vs 24.5 µs), 18% at 2048 (38.6 vs 47.2)
+# and 18-20% from 4096 (74.6 vs 90.9; 295 vs 367 at 16384, 699 TFLOP/s); from 128 to 512 cuBLAS
+# wins (512: 14.4 vs 14.8). Past 16384 (beyond the default step budget) the kernel is in the same
+# compute-bound regime, so the last row extends it.
 SM90_TILES: TileTable = {
     "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
     "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128)), (512, None),
@@ -185,7 +186,7 @@ if HAVE_TRITON:
         # GATED: W is seen as [2, I, K] (gate | up), so one [2, BN, BK] load brings the gate rows
         # and the matching up rows, one [BM, 2 BN] dot multiplies both (the wgmma shape of a
         # 128 x 256 tile), and the epilogue writes silu(gate) * up [BM, BN]: the [M, 2I] product
-        # never reaches memory. (Two accumulators fed by two loads ran 25% slower: perf/RESULTS.md.)
+        # never reaches memory. (Two accumulators fed by two loads ran 27-59% slower: perf/RESULTS.md.)
         start = tl.program_id(0)
         num_m = tl.cdiv(M, BM)
         num_n = N // BN
