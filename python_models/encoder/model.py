@@ -27,9 +27,9 @@ class TritonPythonModel:
         self.rerank = self.engine.spec.task == "rerank"
         runner = self.engine.runner
         attention = runner.attention_in_use()
-        startup = ", ".join(f"{k} {v:.2f} s" for k, v in runner.startup.items())
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
-                                 f"CUDA graphs {'on' if runner.graphs is not None else 'off'}; start-up: {startup}")
+                                 f"CUDA graphs {'on' if runner.graphs is not None else 'off'}; "
+                                 f"start-up: {runner.startup_line()}")
         if runner.probe is not None and len(runner.probe.micros) > 1:
             pb_utils.Logger.log_info(f"{args['model_name']}: attention probe, µs per layer call: "
                                      f"{runner.probe.micros}")

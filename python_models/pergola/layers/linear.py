@@ -244,16 +244,10 @@ def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Ti
     return y
 
 
-_SMS: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's interpreter (tests): a few programs, each walking several tiles
         return 3
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
