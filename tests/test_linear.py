@@ -1,5 +1,6 @@
-"""Matmul kernel selection (CPU): the tile table's lookup and file format, and the Triton kernel's
-indexing run through Triton's interpreter in FP32 (BF16 dots need a GPU: tests/test_gpu.py)."""
+"""Matmul kernel selection (CPU): the tile table's lookup and file format, and the Triton kernels'
+indexing (matmuls, the residual add, RMSNorm) run through Triton's interpreter in FP32 (BF16 dots
+need a GPU: tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,27 @@ def test_tile_table_file_round_trip(tmp_path):
     assert tiles_for("cublas", torch.device("cuda")) == {}
 
 
+def test_linear_adds_to_the_residual_in_place():
+    from pergola.layers.linear import linear
+
+    torch.manual_seed(0)
+    x, w, r = torch.randn(5, 64), torch.randn(32, 64), torch.randn(5, 32)
+    residual = r.clone()
+    assert linear(x, w, residual) is residual
+    torch.testing.assert_close(residual, r + x @ w.t())
+
+
+def test_triton_linear_refuses_an_accumulator_it_cannot_write():
+    pytest.importorskip("triton")
+    from pergola.layers.linear import triton_linear
+
+    x, w = torch.randn(4, 64), torch.randn(64, 64)
+    with pytest.raises(ValueError, match="out="):
+        triton_linear(x, w, Tile(16, 32, 64), gated=True, out=torch.empty(4, 32))
+    with pytest.raises(ValueError, match="out="):
+        triton_linear(x, w, Tile(16, 32, 64), out=torch.empty(64, 4).t())
+
+
 def test_engine_config_refuses_a_missing_tile_file(tmp_path):
     from pergola.config import EngineConfig
 
@@ -60,6 +82,14 @@ for m in (1, 45, 100):
         if tile.fits(96, 256):  # gated: 96 output columns (gate | up = 192 rows of w)
             torch.testing.assert_close(triton_linear(x, w, tile, gated=True),
                                        silu_and_mul_ref(F.linear(x, w)), atol=1e-4, rtol=1e-4)
+        r = torch.randn(m, 192)  # the residual add in the epilogue, in place
+        out = r.clone()
+        assert triton_linear(x, w, tile, out=out) is out
+        torch.testing.assert_close(out, r + F.linear(x, w), atol=1e-4, rtol=1e-4)
+# the RMSNorm that reads the residual stream (a row of 96 in a 128-wide masked block)
+from pergola.layers.fused import launch_rms_norm, rms_norm_ref
+x, w = torch.randn(7, 96), torch.rand(96) + 0.5
+torch.testing.assert_close(launch_rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
 print("ok")
 """
 

@@ -35,5 +35,5 @@ def test_kernel_kinds():
     assert kind_of("cutlass::device_kernel<flashinfer::FlashAttnFwdSm90<...>>") == "attention"
     assert kind_of("nvjet_sm90_tst_96x64_64x10_1x2_h_bz_TNN") == "matmul"
     assert kind_of("_linear_tma_kernel") == "matmul"  # the persistent TMA matmul (gate_up + SiLU)
-    assert kind_of("_add_rms_norm_kernel") == "norm"
+    assert kind_of("_rms_norm_kernel") == "norm"
     assert kind_of("_qk_norm_rope_kernel") == "rope"  # the fused q/k-norm + RoPE kernel

@@ -4,8 +4,9 @@ Why: a Qwen3 layer written with plain PyTorch ops launches ~50 kernels (RMSNorm 
 cast, square, mean, rsqrt, scale, cast, weight), so a 28-layer forward of 128 tokens is ~1,500
 tiny kernels: about 4 ms of GPU time even inside a CUDA graph, against ~0.3 ms of matmuls.
 Large batches pay too, since every unfused op re-reads [T, hidden] from memory. Fused, a layer
-is ~9 kernels: add+RMSNorm, qkv matmul, q/k-norm+RoPE, attention, o matmul, add+RMSNorm,
-gate_up matmul, SiLU*mul, down matmul.
+is ~9 kernels: RMSNorm, qkv matmul, q/k-norm+RoPE, attention, o matmul (+ residual), RMSNorm,
+gate_up matmul, SiLU*mul (inside gate_up where measured faster), down matmul (+ residual). The
+residual adds live in the matmuls' epilogues (pergola.layers.linear), not here.
 
 Numerics follow Hugging Face: statistics in fp32, results rounded to the model dtype.
 """
@@ -35,13 +36,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * y
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-    return rms_norm_ref(x, weight, eps), x
-
-
 def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
                      head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,17 +60,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, n_cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        # One program per row [n_cols]: statistics in fp32, normalised value rounded, then * weight.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded as HF's add
-            tl.store(rout_ptr + row * n_cols + cols, x, mask=mask)
-        xf = x.to(tl.float32)
+        xf = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
         y = (xf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -129,18 +118,18 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) for x [T, H]; without residual, (RMSNorm(x), x)."""
-    if not use_triton(x):
-        return add_rms_norm_ref(x, residual, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [T, H] (one kernel on CUDA)."""
+    return launch_rms_norm(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
+
+
+def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Triton kernel itself; also what the CPU tests run through Triton's interpreter."""
     x = x.contiguous()
     t, h = x.shape
     out = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else x
-    _add_rms_norm_kernel[(t,)](x, residual if residual is not None else x, weight, out, new_residual, h, eps,
-                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(h))
-    return out, new_residual
+    _rms_norm_kernel[(t,)](x, weight, out, h, eps, BLOCK=triton.next_power_of_2(h))
+    return out
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,

@@ -143,9 +143,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET,
-                       GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr):
         # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % BK == 0.
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
+        # ACCUMULATE: y += x @ W^T (the residual add, in fp32, rounded once).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -163,8 +165,10 @@ if HAVE_TRITON:
                 acc_up = tl.dot(a, tl.load(w_ptrs + GATE_OFFSET * stride_wn), acc_up)
             x_ptrs += BK
             w_ptrs += BK
-        out = _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out, mask=m_ok)
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        if ACCUMULATE:
+            acc += tl.load(y_ptrs, mask=m_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED), mask=m_ok)
 
     @triton.jit
     def _epilogue(acc, acc_up, dt, GATED: tl.constexpr):
@@ -176,9 +180,9 @@ if HAVE_TRITON:
         return acc.to(dt)
 
     @triton.jit
-    def _linear_tma_kernel(x_desc, w_desc, y_desc, M, N, K, GATED: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, ACC_N: tl.constexpr, GROUP_M: tl.constexpr,
-                           NUM_SMS: tl.constexpr):
+    def _linear_tma_kernel(x_desc, w_desc, y_desc, M, N, K, GATED: tl.constexpr, ACCUMULATE: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC_N: tl.constexpr,
+                           GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         # Persistent: NUM_SMS programs walk the [M / BM, N / BN] output tiles, GROUP_M row-tiles at
         # a time so the W tiles a group shares stay in L2. TMA loads x [BM, BK] and W tiles into
         # shared memory (rows past M read as zeros, stores past M are dropped), and the pipeliner
@@ -208,25 +212,36 @@ if HAVE_TRITON:
                 gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
                 y_desc.store([off_m, off_n], _epilogue(gate, up, y_desc.dtype, True))
             else:
+                if ACCUMULATE:  # y += x @ W^T: the residual tile comes in through the same descriptor
+                    acc += y_desc.load([off_m, off_n]).to(tl.float32)
                 y_desc.store([off_m, off_n], _epilogue(acc, acc, y_desc.dtype, False))
 
 
-def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight[N_w, K]^T with a given tile; gated: weight is gate | up, y is [M, N_w / 2]."""
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool = False,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N_w, K]^T with a given tile; gated: weight is gate | up, y is [M, N_w / 2].
+
+    out: a contiguous [M, N] tensor the product is added to in place (plain matmuls only).
+    """
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if not tile.fits(n, k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"tile {tile} does not fit a [{m}, {k}] x [{n}, {k}] matmul")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is not None and (gated or out.shape != (m, n) or not out.is_contiguous()):
+        raise ValueError(f"out= needs a plain matmul and a contiguous [{m}, {n}] tensor, got {tuple(out.shape)}")
+    accumulate = out is not None
+    y = out if accumulate else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile.tma:
-        return _launch_tma(x, weight, y, tile, gated)
+        return _launch_tma(x, weight, y, tile, gated, accumulate)
     grid = (n // tile.bn, triton.cdiv(m, tile.bm))
     _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n, GATED=gated,
-                         BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps, num_stages=tile.stages)
+                         ACCUMULATE=accumulate, BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps,
+                         num_stages=tile.stages)
     return y
 
 
-def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Tile, gated: bool) -> torch.Tensor:
+def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Tile, gated: bool,
+                accumulate: bool) -> torch.Tensor:
     if TensorDescriptor is None:
         raise RuntimeError(f"tile {tile} needs Triton >= 3.4 (tensor descriptors); this is {triton.__version__}")
     (m, k), n = x.shape, y.shape[1]
@@ -238,9 +253,9 @@ def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Ti
         w_desc = TensorDescriptor.from_tensor(weight, [tile.bn, tile.bk])
     y_desc = TensorDescriptor.from_tensor(y, [tile.bm, tile.bn])
     grid = (min(sms, triton.cdiv(m, tile.bm) * (n // tile.bn)),)
-    _linear_tma_kernel[grid](x_desc, w_desc, y_desc, m, n, k, GATED=gated, BM=tile.bm, BN=tile.bn, BK=tile.bk,
-                             ACC_N=tile.bn * (2 if gated else 1), GROUP_M=8, NUM_SMS=sms, num_warps=tile.warps,
-                             num_stages=tile.stages)
+    _linear_tma_kernel[grid](x_desc, w_desc, y_desc, m, n, k, GATED=gated, ACCUMULATE=accumulate, BM=tile.bm,
+                             BN=tile.bn, BK=tile.bk, ACC_N=tile.bn * (2 if gated else 1), GROUP_M=8, NUM_SMS=sms,
+                             num_warps=tile.warps, num_stages=tile.stages)
     return y
 
 
@@ -250,10 +265,20 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N]: the measured-fastest kernel for this M, else cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N]: the measured-fastest kernel for this M, else cuBLAS.
+
+    residual [M, N]: add the product to it in place and return it. The add happens in the
+    matmul's epilogue (cuBLAS beta = 1 reads C while the tile is written; fp32 sum, one
+    rounding), so the next RMSNorm reads one [M, N] tensor instead of two and writes one
+    instead of two. In place on purpose: torch's out-of-place addmm first copies C to the output.
+    """
     tile = _triton_tile(x, "plain", weight.shape[0], weight.shape[1])
-    return F.linear(x, weight) if tile is None else triton_linear(x, weight, tile)
+    if residual is None:
+        return F.linear(x, weight) if tile is None else triton_linear(x, weight, tile)
+    if tile is None:
+        return residual.addmm_(x, weight.t())
+    return triton_linear(x, weight, tile, out=residual)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

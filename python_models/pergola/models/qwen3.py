@@ -2,8 +2,10 @@
 
 Module and weight names follow Hugging Face's `Qwen3Model`, so checkpoints load by name; q/k/v
 and gate/up are fused into one matmul each at load (`packed_modules_mapping`). No KV cache and
-no lm_head: an embedding needs the last hidden states only. Numerics follow HF: matmuls and
-residual adds in the model dtype, RMSNorm statistics in fp32, RoPE tables computed in fp32.
+no lm_head: an embedding needs the last hidden states only. Numerics follow HF: matmuls in the
+model dtype, RMSNorm statistics in fp32, RoPE tables computed in fp32; the one difference is the
+residual add, done in the o/down matmuls' epilogue in fp32 and rounded once (HF rounds the
+product, then the sum).
 Attention is causal (Qwen3-Embedding) or bidirectional (pplx-embed), decided by the folder.
 """
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from pergola.hf_folder import ModelFolderError
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
-from pergola.layers.fused import add_rms_norm, qk_norm_rope
+from pergola.layers.fused import qk_norm_rope, rms_norm
 from pergola.layers.linear import gated_linear, linear
 
 
@@ -27,7 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim] -> [T, dim]
-        return add_rms_norm(x, None, self.weight, self.eps)[0]
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -69,6 +71,7 @@ class Qwen3Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden], already normalised
+        residual: torch.Tensor,  # [T, hidden] residual stream; the o projection is added to it in place
         positions: torch.Tensor,  # [T]
         rope: "RotaryEmbedding",
         meta: AttentionMetadata,
@@ -79,12 +82,14 @@ class Qwen3Attention(nn.Module):
         # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
         q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
                                self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
-        return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size))
+        return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
     @staticmethod
-    def _project(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _project(proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # Qwen3 has attention_bias=False; a biased variant keeps nn.Linear (cuBLAS + bias epilogue).
-        return proj(x) if proj.bias is not None else linear(x, proj.weight)
+        if proj.bias is not None:
+            return proj(x) if residual is None else residual.add_(proj(x))
+        return linear(x, proj.weight, residual)
 
 
 class Qwen3MLP(nn.Module):
@@ -94,9 +99,10 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)  # fused gate | up
         self.down_proj = nn.Linear(inter, h, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        # [T, hidden] -> silu(gate) * up [T, I] (one kernel where measured faster) -> [T, hidden]
-        return linear(gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden] -> silu(gate) * up [T, I] (one kernel where measured faster) -> down,
+        # added in place to the residual stream [T, hidden], which is returned.
+        return linear(gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight, residual)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -109,19 +115,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rope: "RotaryEmbedding",
-        meta: AttentionMetadata, attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (mlp output, residual stream), both [T, hidden].
+        self, residual: torch.Tensor, positions: torch.Tensor, rope: "RotaryEmbedding", meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Residual stream [T, hidden] -> the same tensor, updated in place by this layer.
 
-        The residual add is fused into the next RMSNorm (the stream is x + residual), which is
-        the same sum HF computes, just one kernel later.
+        The o and down projections add their products to the stream in their matmul epilogue
+        (`linear(..., residual)`), so each RMSNorm reads one [T, hidden] tensor and writes one:
+        half the bytes of a separate add + norm, which HBM-bound kernels pay for in time.
         """
-        h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn(h, positions, rope, meta, attn)
-        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.eps)
-        return self.mlp(h), residual
+        residual = self.self_attn(self.input_layernorm(residual), residual, positions, rope, meta, attn)
+        return self.mlp(self.post_attention_layernorm(residual), residual)
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -202,8 +206,7 @@ class Qwen3Model(nn.Module):
     ) -> torch.Tensor:
         if meta.causal != self.causal:
             raise ValueError(f"attention metadata says causal={meta.causal}, the model was built causal={self.causal}")
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
+        residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary_emb, meta, attn)
-        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+            residual = layer(residual, positions, self.rotary_emb, meta, attn)
+        return self.norm(residual)
