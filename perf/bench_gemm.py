@@ -22,14 +22,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_models"))
-from pergola.layers.fused import rms_norm, silu_and_mul  # noqa: E402
-from pergola.layers.linear import Norm, Tile, TileTable, dump_tiles, table_key, triton_linear  # noqa: E402
+from pergola.layers.fused import silu_and_mul  # noqa: E402
+from pergola.layers.linear import Tile, TileTable, dump_tiles, table_key, triton_linear  # noqa: E402
 
 M_VALUES = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SMALL_TILES = [Tile(bm, bn, bk, 4, st) for bm in (16, 64, 128) for bn in (32, 64, 128) for bk in (64, 128)
                for st in (4,)]
-# Split-K pointer tiles for 64 < M <= 512: K divided among `split` programs per output tile.
-SPLIT_TILES = [Tile(bm, bn, 64, 4, 4, split=sk) for bm in (64, 128) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)]
 LARGE_TILES = [Tile(128, 128, 64, 8, 3), Tile(128, 256, 64, 8, 3), Tile(128, 128, 64, 4, 4), Tile(64, 128, 64, 4, 4),
                Tile(128, 64, 64, 4, 4), Tile(256, 128, 64, 8, 3), Tile(128, 128, 128, 8, 3)]
 # The persistent TMA kernel (gated: bn is the output width, so 128 means a 128 x 256 wgmma tile).
@@ -38,22 +36,10 @@ TMA_TILES = [Tile(bm, bn, bk, w, st, tma=True) for bm, bn, bk, w, st in
               (128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
 
 
-def shapes(hidden: int, inter: int, heads: int, kv_heads: int,
-           head_dim: int) -> dict[str, tuple[str, int, int, bool]]:
-    """name -> (kind, N, K, normed): y [M, N] = x [M, K] @ W^T; gated N is I (W holds gate | up,
-    [2I, K]); normed: the layer's RMSNorm comes first (cuBLAS: the norm kernel, then the matmul;
-    Triton pointer tiles: inside the matmul), so the timings compare what the model runs."""
-    return {"qkv": ("plain", (heads + 2 * kv_heads) * head_dim, hidden, True),
-            "o": ("plain", hidden, heads * head_dim, False),
-            "gate_up": ("gated", inter, hidden, True), "down": ("plain", hidden, inter, False)}
-
-
-def candidates(m: int) -> list[Tile]:
-    if m <= 64:
-        return SMALL_TILES
-    if m <= 512:
-        return [t for t in SPLIT_TILES if t.bm <= m] + (LARGE_TILES + TMA_TILES if m > 256 else [])
-    return LARGE_TILES + TMA_TILES
+def shapes(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[str, int, int]]:
+    """name -> (kind, N, K): y [M, N] = x [M, K] @ W^T; gated N is I (W holds gate | up, [2I, K])."""
+    return {"qkv": ("plain", (heads + 2 * kv_heads) * head_dim, hidden), "o": ("plain", hidden, heads * head_dim),
+            "gate_up": ("gated", inter, hidden), "down": ("plain", hidden, inter)}
 
 
 def graph_time_us(fn, calls: int, replays: int = 5) -> float:
@@ -78,29 +64,29 @@ def graph_time_us(fn, calls: int, replays: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def bench_shape(kind: str, n: int, k: int, normed: bool, layers: int, margin: float, log,
+def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
                 m_values: list[int] = M_VALUES) -> tuple[list[dict], list]:
     w_rows = 2 * n if kind == "gated" else n
     weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(layers)]
-    norms = [Norm(torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6) if normed else None
-             for _ in range(layers)]
     rows, table = [], []
     for m in m_values:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4  # a residual stream's scale
-
-        def ref_fn(i, x=x):
-            h = x if norms[i] is None else rms_norm(x, norms[i].weight, norms[i].eps)
-            return silu_and_mul(F.linear(h, weights[i])) if kind == "gated" else F.linear(h, weights[i])
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if kind == "gated":
+            def ref_fn(i, x=x):
+                return silu_and_mul(F.linear(x, weights[i]))
+        else:
+            def ref_fn(i, x=x):
+                return F.linear(x, weights[i])
         ref = ref_fn(0).float()
         cublas = graph_time_us(ref_fn, layers)
         best: tuple[float, Tile | None] = (cublas, None)
         row = {"m": m, "cublas_us": cublas, "triton": {}}
-        for tile in candidates(m):
+        for tile in (SMALL_TILES if m <= 256 else LARGE_TILES + TMA_TILES):
             if not tile.fits(n, k) or tile.bm > 2 * max(m, 16):
                 continue
 
             def fn(i, x=x, tile=tile):
-                return triton_linear(x, weights[i], tile, kind == "gated", norm=norms[i])
+                return triton_linear(x, weights[i], tile, kind == "gated")
             try:
                 got = fn(0).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -154,14 +140,12 @@ def main() -> None:
     torch.manual_seed(0)
     results, table = {}, {}
     t0 = time.time()
-    for name, (kind, n, k, normed) in shapes(args.hidden, args.inter, args.heads, args.kv_heads,
-                                             args.head_dim).items():
+    for name, (kind, n, k) in shapes(args.hidden, args.inter, args.heads, args.kv_heads, args.head_dim).items():
         if args.only and name not in args.only:
             continue
-        print(f"{name}: {kind} N={n} K={k}{' (RMSNorm first)' if normed else ''}", flush=True)
-        rows, chosen = bench_shape(kind, n, k, normed, args.layers, args.margin, lambda s: print(s, flush=True),
-                                   args.m)
-        results[name] = {"kind": kind, "n": n, "k": k, "normed": normed, "rows": rows}
+        print(f"{name}: {kind} N={n} K={k}", flush=True)
+        rows, chosen = bench_shape(kind, n, k, args.layers, args.margin, lambda s: print(s, flush=True), args.m)
+        results[name] = {"kind": kind, "n": n, "k": k, "rows": rows}
         table[table_key(kind, n, k)] = compact(chosen)
     tiles: TileTable = {key: rows for key, rows in table.items() if any(t is not None for _, t in rows)}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": time.time() - t0,

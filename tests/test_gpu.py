@@ -206,11 +206,8 @@ def test_triton_linear_matches_cublas(m):
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 1024, **bf)
     w = torch.randn(2048, 1024, **bf) * 1024**-0.5
-    norm = linear.Norm(torch.rand(1024, **bf) + 0.5, 1e-6)
-    xn = fused.rms_norm_ref(x * 8, norm.weight, norm.eps)  # what the norm prologue must multiply
     for tile in (linear.Tile(16, 32, 64), linear.Tile(64, 64, 128), linear.Tile(128, 128, 64, 8, 3),
-                 linear.Tile(128, 128, 64, 8, 3, tma=True), linear.Tile(64, 64, 64, 4, 4, tma=True),
-                 linear.Tile(64, 64, 64, split=4), linear.Tile(128, 32, 64, split=8)):
+                 linear.Tile(128, 128, 64, 8, 3, tma=True), linear.Tile(64, 64, 64, 4, 4, tma=True)):
         torch.testing.assert_close(linear.triton_linear(x, w, tile), F.linear(x, w), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(linear.triton_linear(x, w, tile, gated=True),
                                    fused.silu_and_mul_ref(F.linear(x, w)), atol=2e-2, rtol=2e-2)
@@ -218,45 +215,10 @@ def test_triton_linear_matches_cublas(m):
         out = r.clone()
         linear.triton_linear(x, w, tile, out=out)
         torch.testing.assert_close(out, (r.float() + F.linear(x, w).float()).bfloat16(), atol=3e-2, rtol=2e-2)
-        # the RMSNorm prologue (pointer tiles) or the norm kernel first (TMA tiles)
-        torch.testing.assert_close(linear.triton_linear(x * 8, w, tile, norm=norm), F.linear(xn, w),
-                                   atol=3e-2, rtol=2e-2)
-        torch.testing.assert_close(linear.triton_linear(x * 8, w, tile, gated=True, norm=norm),
-                                   fused.silu_and_mul_ref(F.linear(xn, w)), atol=3e-2, rtol=2e-2)
     r = torch.randn(m, 2048, **bf)  # cuBLAS's beta = 1 path, as the model calls it
     out = r.clone()
     assert linear.linear(x, w, out) is out
     torch.testing.assert_close(out, (r.float() + F.linear(x, w).float()).bfloat16(), atol=3e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("tile_args", [(64, 64, 64, 4, 4, False, 2), (128, 32, 64, 4, 4, False, 8)])
-def test_split_k_is_deterministic_across_graph_replays(tile_args):
-    """Split-K: the last program of each tile sums the partials in slice order and resets its
-    counter, so 50 replays of a graph of 28 launches give bit-identical results, rows do not
-    depend on the rows beside them, and every counter is back at zero."""
-    import torch.nn.functional as F
-
-    from pergola.layers import fused, linear
-
-    torch.manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    tile = linear.Tile(*tile_args)
-    ws = [torch.randn(3072 * 2, 1024, **bf) * 1024**-0.5 for _ in range(28)]
-    norm = linear.Norm(torch.rand(1024, **bf) + 0.5, 1e-6)
-    x = torch.randn(128, 1024, **bf) * 8
-    first = [linear.triton_linear(x, w, tile, gated=True, norm=norm) for w in ws]  # eager: counters allocated
-    ref = fused.silu_and_mul_ref(F.linear(fused.rms_norm_ref(x, norm.weight, norm.eps), ws[-1]))
-    torch.testing.assert_close(first[-1], ref, atol=3e-2, rtol=2e-2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [linear.triton_linear(x, w, tile, gated=True, norm=norm) for w in ws]
-    for _ in range(50):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, f) for o, f in zip(outs, first))
-    single = linear.triton_linear(x[5:6].contiguous(), ws[0], tile, gated=True, norm=norm)
-    assert torch.equal(single[0], first[0][5])
-    assert int(linear._counters[x.device].abs().sum()) == 0
 
 
 def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, monkeypatch):
@@ -271,26 +233,24 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, mon
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
-    # qkv and gate_up + SiLU on the split-K pointer kernel with the RMSNorm prologue; o and down
-    # (which add into the residual stream) on the persistent TMA kernel
+    # qkv on the pointer kernel; o and down (which add into the residual stream) and gate_up + SiLU
+    # on the persistent TMA kernel
     tma = Tile(64, 64, 64, 4, 4, tma=True)
-    table = {table_key("plain", (heads + 2 * kv) * d, h): [(1 << 20, Tile(64, 64, 64, split=2))],
-             table_key("gated", inter, h): [(1 << 20, Tile(64, 64, 64, split=2))]}
-    for key in (table_key("plain", h, heads * d), table_key("plain", h, inter)):
+    table = {table_key("plain", (heads + 2 * kv) * d, h): [(1 << 20, Tile(64, 64, 64))]}
+    for key in (table_key("plain", h, heads * d), table_key("plain", h, inter), table_key("gated", inter, h)):
         table[key] = [(1 << 20, tma)]
     path = tmp_path / "tiles.json"
     dump_tiles(table, str(path))
     base = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul="cublas"))
     tiled = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=str(path)))
     assert tiled.runner.matmul_tiles and not base.runner.matmul_tiles
-    calls = {"plain": 0, "gated": 0, "tma": 0, "accumulate": 0, "norm": 0}  # the base engine never runs Triton
+    calls = {"plain": 0, "gated": 0, "tma": 0, "accumulate": 0}  # the tiled engine runs Triton, the base never
     real, real_tma = linear_mod.triton_linear, linear_mod._launch_tma
 
-    def spy(x, weight, tile, gated=False, out=None, norm=None):
+    def spy(x, weight, tile, gated=False, out=None):
         calls["gated" if gated else "plain"] += 1
         calls["accumulate"] += out is not None  # o / down add into the residual stream
-        calls["norm"] += norm is not None  # qkv / gate_up normalise their input
-        return real(x, weight, tile, gated, out, norm)
+        return real(x, weight, tile, gated, out)
 
     def spy_tma(x, weight, y, tile, gated, accumulate):
         calls["tma"] += 1
@@ -299,10 +259,10 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, mon
     monkeypatch.setattr(linear_mod, "triton_linear", spy)
     monkeypatch.setattr(linear_mod, "_launch_tma", spy_tma)
     expected = embed(base, TEXTS)
-    assert calls == {"plain": 0, "gated": 0, "tma": 0, "accumulate": 0, "norm": 0}
+    assert calls == {"plain": 0, "gated": 0, "tma": 0, "accumulate": 0}
     for _ in range(3):  # warm-up, capture, replay
         assert cosine_rows(embed(tiled, TEXTS), expected).min() >= 0.999
     layers = cfg["num_hidden_layers"]
     # traced twice: warm-up and capture
-    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers, "tma": 2 * 2 * layers,
-                     "accumulate": 2 * 2 * layers, "norm": 2 * 2 * layers}
+    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers, "tma": 3 * 2 * layers,
+                     "accumulate": 2 * 2 * layers}

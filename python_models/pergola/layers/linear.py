@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from pergola.layers.fused import HAVE_TRITON, rms_norm, silu_and_mul, use_triton
+from pergola.layers.fused import HAVE_TRITON, silu_and_mul, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -40,8 +40,7 @@ if HAVE_TRITON:
 class Tile:
     """One Triton matmul configuration. `tma`: the persistent kernel that streams x and W tiles
     with the Hopper tensor-memory accelerator (one CTA per SM walking output tiles), for large M;
-    otherwise the plain one-CTA-per-tile kernel with pointer loads, for small M, where `split` > 1
-    divides K among that many CTAs per output tile (split-K)."""
+    otherwise the plain one-CTA-per-tile kernel with pointer loads, for small M."""
 
     bm: int
     bn: int
@@ -49,14 +48,12 @@ class Tile:
     warps: int = 4
     stages: int = 4
     tma: bool = False
-    split: int = 1
 
     def fits(self, n: int, k: int) -> bool:
-        return n % self.bn == 0 and k % (self.bk * self.split) == 0 and not (self.tma and self.split > 1)
+        return n % self.bn == 0 and k % self.bk == 0
 
     def __str__(self) -> str:
-        split = f"/k{self.split}" if self.split > 1 else ""
-        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}{split}"
+        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}"
 
 
 # "kind:NxK" -> [(largest M, tile or None for cuBLAS)] in increasing M; past the last row, and
@@ -145,82 +142,33 @@ def _triton_tile(x: torch.Tensor, kind: str, n: int, k: int) -> Tile | None:
 if HAVE_TRITON:
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
-                       stride_ym, GATE_OFFSET, eps, GATED: tl.constexpr, ACCUMULATE: tl.constexpr,
-                       NORM: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET,
+                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr):
-        # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % (SPLIT BK) == 0.
-        # Program (n, m, s) of a (N / BN, cdiv(M, BM), SPLIT) grid.
+        # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % BK == 0.
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
         # ACCUMULATE: y += x @ W^T (the residual add, in fp32, rounded once).
-        # NORM: x is the raw residual stream and the product is RMSNorm(x; g) @ W^T, computed as
-        #   rstd[m] * ((x * g) @ W^T): each row's sum of squares accumulates from the same x tiles
-        #   the dot reads, so the normalised [M, K] copy is never written nor read back.
-        # SPLIT > 1 (split-K, for small M): program s takes K-slice s and writes its fp32 partial
-        #   [BM, BN] to part; the last of a tile's SPLIT programs to arrive (a counter it resets)
-        #   sums the partials in slice order (deterministic) and runs the epilogue. At M = 128 a
-        #   1024-column output is 8 tiles of 128 x 128; split 8 it keeps 64-128 SMs reading W.
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
-        pid_s = tl.program_id(2)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        k_len = K // SPLIT
-        rk = pid_s * k_len + tl.arange(0, BK)
+        rk = tl.arange(0, BK)
         m_ok = (rm < M)[:, None]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BM, BK]
         w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BK, BN], a view of W^T
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        ss = tl.zeros((BM,), dtype=tl.float32)  # NORM: sum of x^2 over this program's K-slice
-        for k in range(0, k_len, BK):
+        for _ in range(0, K, BK):
             a = tl.load(x_ptrs, mask=m_ok, other=0.0)
-            if NORM:
-                af = a.to(tl.float32)
-                ss += tl.sum(af * af, axis=1)
-                a = (af * tl.load(g_ptr + rk + k).to(tl.float32)[None, :]).to(a.dtype)
             acc = tl.dot(a, tl.load(w_ptrs), acc)
             if GATED:
                 acc_up = tl.dot(a, tl.load(w_ptrs + GATE_OFFSET * stride_wn), acc_up)
             x_ptrs += BK
             w_ptrs += BK
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        if SPLIT == 1:
-            _finish(acc, acc_up, ss, y_ptrs, m_ok, K, eps, GATED, ACCUMULATE, NORM)
-        else:
-            tile = pid_m * tl.num_programs(0) + pid_n
-            block = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-            parts = part_ptr + tile * SPLIT * (2 * BM * BN)  # [SPLIT, gate | up, BM, BN] fp32
-            tl.store(parts + pid_s * (2 * BM * BN) + block, acc)
-            if GATED:
-                tl.store(parts + pid_s * (2 * BM * BN) + BM * BN + block, acc_up)
-            if NORM:
-                tl.store(ss_ptr + (tile * SPLIT + pid_s) * BM + tl.arange(0, BM), ss)
-            tl.debug_barrier()  # every thread's stores precede the release below
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:  # the last to arrive
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-                ss = tl.zeros((BM,), dtype=tl.float32)
-                for s in range(SPLIT):  # .cg: read the partials from L2, past this SM's L1
-                    acc += tl.load(parts + s * (2 * BM * BN) + block, cache_modifier=".cg")
-                    if GATED:
-                        acc_up += tl.load(parts + s * (2 * BM * BN) + BM * BN + block, cache_modifier=".cg")
-                    if NORM:
-                        ss += tl.load(ss_ptr + (tile * SPLIT + s) * BM + tl.arange(0, BM), cache_modifier=".cg")
-                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (graph replays included)
-                _finish(acc, acc_up, ss, y_ptrs, m_ok, K, eps, GATED, ACCUMULATE, NORM)
-
-    @triton.jit
-    def _finish(acc, acc_up, ss, y_ptrs, m_ok, K, eps, GATED: tl.constexpr, ACCUMULATE: tl.constexpr,
-                NORM: tl.constexpr):
-        # Full-K fp32 accumulators -> y: the RMSNorm scale, the residual, the activation, one rounding.
-        if NORM:
-            rstd = tl.rsqrt(ss / K + eps)[:, None]
-            acc = acc * rstd
-            acc_up = acc_up * rstd
         if ACCUMULATE:
             acc += tl.load(y_ptrs, mask=m_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, _epilogue(acc, acc_up, y_ptrs.dtype.element_ty, GATED), mask=m_ok)
+        tl.store(y_ptrs, _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED), mask=m_ok)
 
     @triton.jit
     def _epilogue(acc, acc_up, dt, GATED: tl.constexpr):
@@ -269,23 +217,11 @@ if HAVE_TRITON:
                 y_desc.store([off_m, off_n], _epilogue(acc, acc, y_desc.dtype, False))
 
 
-@dataclass(frozen=True)
-class Norm:
-    """An RMSNorm applied to a matmul's input: linear(x, W, norm=Norm(g, eps)) = RMSNorm(x; g) @ W^T."""
-
-    weight: torch.Tensor  # [K]
-    eps: float
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool = False,
-                  out: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N_w, K]^T with a given tile; gated: weight is gate | up, y is [M, N_w / 2].
 
     out: a contiguous [M, N] tensor the product is added to in place (plain matmuls only).
-    norm: x is normalised first, inside the kernel where the tile allows it (pointer tiles).
     """
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -296,42 +232,12 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
     accumulate = out is not None
     y = out if accumulate else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile.tma:
-        return _launch_tma(x if norm is None else norm(x), weight, y, tile, gated, accumulate)
-    grid = (n // tile.bn, triton.cdiv(m, tile.bm), tile.split)
-    tiles = grid[0] * grid[1]
-    if tile.split > 1:  # fp32 partials [tiles, split, 2, BM, BN], row sums of squares [tiles, split, BM]
-        part = torch.empty(tiles * tile.split * 2 * tile.bm * tile.bn, dtype=torch.float32, device=x.device)
-        ss = torch.empty(tiles * tile.split * tile.bm, dtype=torch.float32, device=x.device)
-        count = split_counters(x.device, tiles)
-    else:
-        part = ss = count = y  # unused
-    _linear_kernel[grid](x, weight, y, x if norm is None else norm.weight, part, ss, count, m, n, k, x.stride(0),
-                         weight.stride(0), y.stride(0), n, 0.0 if norm is None else norm.eps, GATED=gated,
-                         ACCUMULATE=accumulate, NORM=norm is not None, SPLIT=tile.split, BM=tile.bm, BN=tile.bn,
-                         BK=tile.bk, num_warps=tile.warps, num_stages=tile.stages)
+        return _launch_tma(x, weight, y, tile, gated, accumulate)
+    grid = (n // tile.bn, triton.cdiv(m, tile.bm))
+    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n, GATED=gated,
+                         ACCUMULATE=accumulate, BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps,
+                         num_stages=tile.stages)
     return y
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-MAX_SPLIT_TILES = 4096
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split-K arrival counters of `device`: int32 zeros that every launch leaves at zero.
-
-    One buffer per device, shared by every split-K launch: launches on one stream run one after
-    another, and the last program of each tile resets its counter. It is allocated on the first
-    (eager) call: a buffer first allocated inside a CUDA graph capture would hold garbage.
-    """
-    if tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"a split-K launch of {tiles} output tiles (at most {MAX_SPLIT_TILES}): use a wider tile")
-    buf = _counters.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K counters allocated inside a CUDA graph capture: run the forward "
-                               "eagerly once first (the engine's lazy capture does)")
-        buf = _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return buf
 
 
 def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Tile, gated: bool,
@@ -359,29 +265,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-           norm: Norm | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]: the measured-fastest kernel for this M, else cuBLAS.
 
     residual [M, N]: add the product to it in place and return it. The add happens in the
     matmul's epilogue (cuBLAS beta = 1 reads C while the tile is written; fp32 sum, one
     rounding), so the next RMSNorm reads one [M, N] tensor instead of two and writes one
     instead of two. In place on purpose: torch's out-of-place addmm first copies C to the output.
-    norm: multiply RMSNorm(x) instead of x; inside the matmul on a pointer tile (one kernel
-    fewer, and no normalised copy of x through memory), else a separate norm kernel first.
     """
     tile = _triton_tile(x, "plain", weight.shape[0], weight.shape[1])
+    if residual is None:
+        return F.linear(x, weight) if tile is None else triton_linear(x, weight, tile)
     if tile is None:
-        x = x if norm is None else norm(x)
-        return F.linear(x, weight) if residual is None else residual.addmm_(x, weight.t())
-    return triton_linear(x, weight, tile, out=residual, norm=norm)
+        return residual.addmm_(x, weight.t())
+    return triton_linear(x, weight, tile, out=residual)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
-    """silu(x @ W_gate^T) * (x @ W_up^T) for weight = gate | up [2I, K]: [M, K] -> [M, I].
-
-    norm: as in `linear`."""
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ W_gate^T) * (x @ W_up^T) for weight = gate | up [2I, K]: [M, K] -> [M, I]."""
     tile = _triton_tile(x, "gated", weight.shape[0] // 2, weight.shape[1])
-    if tile is None:
-        return silu_and_mul(F.linear(x if norm is None else norm(x), weight))
-    return triton_linear(x, weight, tile, gated=True, norm=norm)
+    return silu_and_mul(F.linear(x, weight)) if tile is None else triton_linear(x, weight, tile, gated=True)

@@ -19,7 +19,7 @@ from torch import nn
 from pergola.hf_folder import ModelFolderError
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import qk_norm_rope, rms_norm
-from pergola.layers.linear import Norm, gated_linear, linear
+from pergola.layers.linear import gated_linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -30,10 +30,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim] -> [T, dim]
         return rms_norm(x, self.weight, self.eps)
-
-    def prologue(self) -> Norm:
-        """This norm as the input stage of the next matmul (pergola.layers.linear)."""
-        return Norm(self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -74,28 +70,26 @@ class Qwen3Attention(nn.Module):
 
     def forward(
         self,
+        x: torch.Tensor,  # [T, hidden], already normalised
         residual: torch.Tensor,  # [T, hidden] residual stream; the o projection is added to it in place
-        norm: Norm,  # the layer's input RMSNorm, applied by the qkv matmul
         positions: torch.Tensor,  # [T]
         rope: "RotaryEmbedding",
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        t = residual.shape[0]
-        qkv = self._project(self.qkv_proj, residual, norm=norm)  # [T, (Hq + 2 Hkv) * D]
+        t = x.shape[0]
+        qkv = self._project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
         # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
         q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
                                self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
         return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
     @staticmethod
-    def _project(proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None,
-                 norm: Norm | None = None) -> torch.Tensor:
+    def _project(proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # Qwen3 has attention_bias=False; a biased variant keeps nn.Linear (cuBLAS + bias epilogue).
         if proj.bias is not None:
-            y = proj(x if norm is None else norm(x))
-            return y if residual is None else residual.add_(y)
-        return linear(x, proj.weight, residual, norm)
+            return proj(x) if residual is None else residual.add_(proj(x))
+        return linear(x, proj.weight, residual)
 
 
 class Qwen3MLP(nn.Module):
@@ -105,11 +99,10 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)  # fused gate | up
         self.down_proj = nn.Linear(inter, h, bias=False)
 
-    def forward(self, residual: torch.Tensor, norm: Norm) -> torch.Tensor:
-        # RMSNorm(residual) [T, hidden] -> silu(gate) * up [T, I] (norm, matmul and activation in
-        # one kernel where measured faster) -> down, added in place to the residual stream
-        # [T, hidden], which is returned.
-        return linear(gated_linear(residual, self.gate_up_proj.weight, norm), self.down_proj.weight, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden] -> silu(gate) * up [T, I] (one kernel where measured faster) -> down,
+        # added in place to the residual stream [T, hidden], which is returned.
+        return linear(gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight, residual)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -129,12 +122,10 @@ class Qwen3DecoderLayer(nn.Module):
 
         The o and down projections add their products to the stream in their matmul epilogue
         (`linear(..., residual)`), so each RMSNorm reads one [T, hidden] tensor and writes one:
-        half the bytes of a separate add + norm, which HBM-bound kernels pay for in time. The
-        norms are handed to the qkv and gate_up matmuls, which at small token counts apply them
-        to the tiles they load (no norm kernel at all) and otherwise run the norm kernel first.
+        half the bytes of a separate add + norm, which HBM-bound kernels pay for in time.
         """
-        residual = self.self_attn(residual, self.input_layernorm.prologue(), positions, rope, meta, attn)
-        return self.mlp(residual, self.post_attention_layernorm.prologue())
+        residual = self.self_attn(self.input_layernorm(residual), residual, positions, rope, meta, attn)
+        return self.mlp(self.post_attention_layernorm(residual), residual)
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
