@@ -28,9 +28,6 @@ class EngineConfig:
     eager_attention_backend: backend for steps above the graph crossover ("auto": the same).
     enforce_eager:     never capture CUDA graphs.
     cuda_graph_max_tokens: steps with more tokens run eagerly (the launch-vs-GPU-time crossover).
-    separate_qkv_from: eager steps whose longest sequence has at least this many tokens give
-                       attention contiguous q, k, v instead of views into the qkv projection
-                       (long-sequence attention reads them faster, perf/RESULTS.md); 0: never.
     matmul:            "auto" (Triton tiles where measured faster on this GPU, else cuBLAS),
                        "cublas", or the path of a tile table from perf/bench_gemm.py --write-tiles.
     query_prompt / document_prompt: prompt names or literal prefixes used for the `query` and
@@ -48,7 +45,6 @@ class EngineConfig:
     eager_attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 4096
-    separate_qkv_from: int = 2048
     matmul: str = "auto"
     query_prompt: str = ""
     document_prompt: str = ""

@@ -110,9 +110,8 @@ class StaticBuffers:
         self.i32[:s + 1].copy_(h32[:s + 1], non_blocking=True)
         self.f32[:t].copy_(hf[:t], non_blocking=True)
 
-    def inputs(self, s: int, t: int, max_seqlen: int, causal: bool, separate_qkv: bool = False) -> BatchInputs:
-        meta = AttentionMetadata(cu_seqlens=self.i32[:s + 1], max_seqlen=max_seqlen, causal=causal,
-                                 separate_qkv=separate_qkv)
+    def inputs(self, s: int, t: int, max_seqlen: int, causal: bool) -> BatchInputs:
+        meta = AttentionMetadata(cu_seqlens=self.i32[:s + 1], max_seqlen=max_seqlen, causal=causal)
         return BatchInputs(self.i64[0:t], self.i64[t:2 * t], self.i64[2 * t:3 * t], self.i64[3 * t:4 * t],
                            self.f32[:t], meta)
 
@@ -244,9 +243,8 @@ class ModelRunner:
                         attn: AttentionBackend | None = None) -> None:
         """Forward over the static buffers padded to (s, t); writes pooled[:s]. Graph-safe."""
         assert self.buffers is not None
-        # In a graph the longest sequence is unknown at capture: t bounds it (and q/k/v stay views).
-        separate = max_seqlen is not None and 0 < self.cfg.separate_qkv_from <= max_seqlen
-        b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal, separate)
+        # In a graph the longest sequence is unknown at capture: t bounds it.
+        b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal)
         self.buffers.pooled[:s].copy_(self.forward(b, attn or self.graph_backend(t)))
 
     def _plan(self, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> None:

@@ -19,9 +19,6 @@ class AttentionMetadata:
     cu_seqlens: torch.Tensor  # [num_seqs + 1] int32, on the model's device
     max_seqlen: int  # longest sequence of the batch
     causal: bool
-    # q, k, v as three contiguous tensors rather than views into the qkv projection's rows (the
-    # model's choice of layout; long sequences, where attention reads them faster).
-    separate_qkv: bool = False
     # For padded fallbacks (SDPA): position of each token in a [num_seqs * max_seqlen] grid.
     pad_index: torch.Tensor | None = None  # [num_tokens] int64
     key_mask: torch.Tensor | None = None  # [num_seqs, 1, 1, max_seqlen] bool, True = real token

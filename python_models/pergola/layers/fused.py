@@ -72,8 +72,8 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_heads(base, dst, w_ptr, c, s, eps, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr):
-        # RMSNorm over each of NUM heads [NUM, D] at `base`, then RoPE (half-split), written at `dst`.
+    def _norm_rope_heads(base, w_ptr, c, s, eps, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # RMSNorm over each of NUM heads [NUM, D] at `base`, then RoPE (half-split), in place.
         half: tl.constexpr = HEAD_DIM // 2
         heads = tl.arange(0, HP)
         cols = tl.arange(0, half)
@@ -87,17 +87,15 @@ if HAVE_TRITON:
         w2 = tl.load(w_ptr + half + cols).to(tl.float32)[None, :]
         y1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         y2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(dst + offs, (y1 * c - y2 * s).to(dt), mask=m)
-        tl.store(dst + half + offs, (y2 * c + y1 * s).to(dt), mask=m)
+        tl.store(base + offs, (y1 * c - y2 * s).to(dt), mask=m)
+        tl.store(base + half + offs, (y2 * c + y1 * s).to(dt), mask=m)
 
     @triton.jit
-    def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, row_stride,
-                             eps, NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HP_Q: tl.constexpr, HP_K: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, SEPARATE: tl.constexpr):
+    def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, row_stride, eps,
+                             NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HP_Q: tl.constexpr, HP_K: tl.constexpr,
+                             HEAD_DIM: tl.constexpr):
         # One program per token covers all its q and k heads (a [heads, D] tile each): at 16k
         # tokens a program per (token, head) meant 400k programs of 128 elements, 8x slower.
-        # SEPARATE: q, k and v go to their own contiguous [T, heads, D] tensors instead of back
-        # into the qkv row (v copied as it is).
         token = tl.program_id(0).to(tl.int64)
         half: tl.constexpr = HEAD_DIM // 2
         cols = tl.arange(0, half)
@@ -106,17 +104,8 @@ if HAVE_TRITON:
         c = tl.load(cos_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
         row = qkv_ptr + token * row_stride
-        if SEPARATE:
-            _norm_rope_heads(row, q_ptr + token * (NUM_Q * HEAD_DIM), qw_ptr, c, s, eps, NUM_Q, HP_Q, HEAD_DIM)
-            _norm_rope_heads(row + NUM_Q * HEAD_DIM, k_ptr + token * (NUM_K * HEAD_DIM), kw_ptr, c, s, eps, NUM_K,
-                             HP_K, HEAD_DIM)
-            v_cols = tl.arange(0, HP_K * HEAD_DIM)
-            v_ok = v_cols < NUM_K * HEAD_DIM
-            v = tl.load(row + (NUM_Q + NUM_K) * HEAD_DIM + v_cols, mask=v_ok)
-            tl.store(v_ptr + token * (NUM_K * HEAD_DIM) + v_cols, v, mask=v_ok)
-        else:
-            _norm_rope_heads(row, row, qw_ptr, c, s, eps, NUM_Q, HP_Q, HEAD_DIM)
-            _norm_rope_heads(row + NUM_Q * HEAD_DIM, row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, NUM_K, HP_K, HEAD_DIM)
+        _norm_rope_heads(row, qw_ptr, c, s, eps, NUM_Q, HP_Q, HEAD_DIM)
+        _norm_rope_heads(row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, NUM_K, HP_K, HEAD_DIM)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
@@ -145,34 +134,22 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float,
-                 separate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm then RoPE on q and k of qkv [T, (Hq + 2 Hkv) * D].
+                 head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm then RoPE on q and k, in place in qkv [T, (Hq + 2 Hkv) * D].
 
-    Returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]. By default in place, as views with the
-    token stride of qkv: the attention kernels only need a contiguous last dimension, so nothing
-    is copied. separate: written to three contiguous tensors (v copied), which long-sequence
-    attention reads faster than the strided views (FA3 6%, FA4 12% at 4 x 4096 tokens on the
-    H200, perf/RESULTS.md) for the price of one more read and write of v.
+    Returns views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] with the token stride of qkv:
+    the attention kernels only need a contiguous last dimension, so nothing is copied.
     """
     if not use_triton(qkv):
-        q, k, v = qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads,
-                                   head_dim, eps)
-        return (q.contiguous(), k.contiguous(), v.contiguous()) if separate else (q, k, v)
+        return qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads,
+                                head_dim, eps)
     t = qkv.shape[0]
-    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
-    if separate:
-        q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        v = torch.empty_like(k)
-    else:
-        q, k, v = (qkv[:, :q_end].view(t, num_heads, head_dim), qkv[:, q_end:k_end].view(t, num_kv_heads, head_dim),
-                   qkv[:, k_end:].view(t, num_kv_heads, head_dim))
     _qk_norm_rope_kernel[(t,)](
-        qkv, q, k, v, q_weight, k_weight, cos, sin, positions, qkv.stride(0), eps, NUM_Q=num_heads,
-        NUM_K=num_kv_heads, HP_Q=triton.next_power_of_2(num_heads), HP_K=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, SEPARATE=separate)
-    return q, k, v
+        qkv, q_weight, k_weight, cos, sin, positions, qkv.stride(0), eps, NUM_Q=num_heads, NUM_K=num_kv_heads,
+        HP_Q=triton.next_power_of_2(num_heads), HP_K=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    return (qkv[:, :q_end].view(t, num_heads, head_dim), qkv[:, q_end:k_end].view(t, num_kv_heads, head_dim),
+            qkv[:, k_end:].view(t, num_kv_heads, head_dim))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

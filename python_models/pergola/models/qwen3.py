@@ -79,11 +79,9 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self._project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
-        # q/k RMSNorm + RoPE in one kernel: in place (q, k, v views into qkv), or for long
-        # sequences into three contiguous tensors, which the attention kernels read faster.
+        # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
         q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
-                               self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps,
-                               separate=meta.separate_qkv)
+                               self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
         return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
     @staticmethod
