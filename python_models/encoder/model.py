@@ -85,3 +85,6 @@ class TritonPythonModel:
                 self._embed_response(out, option, normalize, encoding)
         self.metrics.update(self.engine.stats)
         return responses
+
+    def finalize(self) -> None:
+        self.metrics.flush()  # counts still waiting for the flush interval

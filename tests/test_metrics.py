@@ -1,0 +1,74 @@
+"""The encoder's Prometheus counters (pergola.metrics) with a stand-in for the Triton stub's
+metrics API: updates are batched (one stub-to-server round trip per metric per flush, not per
+request), and nothing counted is ever lost."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from pergola.metrics import EncoderMetrics
+
+
+class FakeMetric:
+    def __init__(self, log: list, labels: dict) -> None:
+        self.log, self.labels, self.value = log, labels, 0
+
+    def increment(self, n: int) -> None:
+        self.log.append((tuple(sorted(self.labels.items())), n))
+        self.value += n
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+
+class FakeFamily:
+    COUNTER, GAUGE = "counter", "gauge"
+    log: list = []
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name = name
+        self.metrics: list[FakeMetric] = []
+
+    def Metric(self, labels: dict) -> FakeMetric:  # noqa: N802 - the stub's spelling
+        m = FakeMetric(FakeFamily.log, labels)
+        self.metrics.append(m)
+        return m
+
+
+class FakePbUtils:
+    MetricFamily = FakeFamily
+
+
+def totals(metrics: EncoderMetrics) -> dict[str, int]:
+    return {name: m.value for name, m in metrics._counters.items()} | \
+        {f"steps_{mode}": m.value for mode, m in metrics._steps.items()}
+
+
+def stats(n: int) -> Counter:
+    return Counter(requests=n, sequences=2 * n, tokens=100 * n, steps_replay=n)
+
+
+def test_updates_within_the_interval_wait_for_the_timer_and_none_is_lost():
+    FakeFamily.log.clear()
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.2)
+    metrics.update(stats(1))  # the first update goes out at once
+    assert totals(metrics)["requests"] == 1
+    sent = len(FakeFamily.log)
+    for n in range(2, 50):  # a burst inside the interval: no round trips
+        metrics.update(stats(n))
+    assert len(FakeFamily.log) == sent and totals(metrics)["requests"] == 1
+    deadline = time.monotonic() + 5
+    while totals(metrics)["requests"] != 49 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert totals(metrics) == {"requests": 49, "sequences": 98, "tokens": 4900, "steps_eager": 0,
+                               "steps_warmup": 0, "steps_capture": 0, "steps_replay": 49}
+    assert len(FakeFamily.log) == sent + 4  # one increment per counter that moved
+
+
+def test_interval_zero_flushes_every_update():
+    FakeFamily.log.clear()
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0)
+    for n in range(1, 4):
+        metrics.update(stats(n))
+        assert totals(metrics)["tokens"] == 100 * n
