@@ -110,3 +110,25 @@ def test_server_metrics_endpoint(server, client):
     assert re.search(r'pergola_steps_total\{mode="(eager|replay|warmup|capture)",model="minilm_encoder"\} [1-9]', body) \
         or re.search(r'pergola_steps_total\{model="minilm_encoder",mode="\w+"\} [1-9]', body)
     assert 'pergola_attention_backend{' in body
+
+
+def test_server_metrics_catch_up_after_a_burst(server, client):
+    """Counters are sent at most once a second; what a burst leaves behind arrives from the
+    stub's timer thread without another request (pergola.metrics)."""
+    import re
+    import time
+    import urllib.request
+
+    def requests_total() -> int:
+        body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        found = re.search(r'pergola_requests_total\{model="minilm_encoder"\} (\d+)', body)
+        return int(found.group(1)) if found else 0
+
+    time.sleep(1.5)  # earlier tests' counts are all in
+    before = requests_total()
+    for text in TEXTS[:5]:  # five requests inside one flush interval
+        client.embed([text])
+    deadline = time.monotonic() + 5
+    while requests_total() != before + 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert requests_total() == before + 5
