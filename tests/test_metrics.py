@@ -72,3 +72,14 @@ def test_interval_zero_flushes_every_update():
     for n in range(1, 4):
         metrics.update(stats(n))
         assert totals(metrics)["tokens"] == 100 * n
+
+
+def test_an_update_that_finds_a_flush_in_progress_leaves_the_rest_to_a_timer():
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.1)
+    with metrics._lock:  # the timer thread is in the middle of a flush
+        metrics.update(stats(3))
+        assert totals(metrics)["requests"] == 0
+    deadline = time.monotonic() + 5
+    while totals(metrics)["requests"] != 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert totals(metrics)["tokens"] == 300

@@ -11,8 +11,9 @@ nv_inference_queue_duration_us.
 
 Counters reach Triton at most once per PERGOLA_METRICS_FLUSH_S seconds (default 1; 0 = after
 every execute), and a quiet second after the last request flushes the rest. Why: each update is
-a round trip from the stub to the server process, and the four of them cost 0.28-0.30 ms per
-execute on a 2-core machine, inside the request's latency; Prometheus scrapes every 1-15 s.
+a round trip from the stub to the server process, and the four of them took 205 µs (p50) of
+every execute on a 2-core machine, inside the request's latency (16 µs batched); Prometheus
+scrapes every 1-15 s anyway.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ class EncoderMetrics:
         """Take the engine's running counts; tell Triton now if the last flush is flush_s old,
         else within flush_s (a timer, so counts never wait for the next request)."""
         self._latest = Counter(stats)  # a snapshot: the engine keeps counting
-        if time.monotonic() - self._flushed_at >= self.flush_s:
-            self.flush(wait=False)
-        elif self._timer is None:
+        if time.monotonic() - self._flushed_at >= self.flush_s and self.flush(wait=False):
+            return
+        if self._timer is None:  # (two timers after a race only mean one empty flush)
             self._timer = threading.Timer(self.flush_s, self._flush_from_timer)
             self._timer.daemon = True
             self._timer.start()
@@ -70,12 +71,12 @@ class EncoderMetrics:
         self._timer = None
         self.flush()
 
-    def flush(self, wait: bool = True) -> None:
+    def flush(self, wait: bool = True) -> bool:
         """Add to Triton's counters what the engine counted since the last flush. wait=False:
-        skip if the timer thread is flushing right now (it sends the same snapshot or older;
-        the next update or timer sends the rest)."""
+        return False at once if the timer thread is flushing right now (the caller then arms
+        a timer for the rest)."""
         if not self._lock.acquire(blocking=wait):
-            return
+            return False
         try:
             latest = self._latest
             for name, metric in self._counters.items():
@@ -87,5 +88,6 @@ class EncoderMetrics:
                     metric.increment(latest[key] - self._seen[key])
             self._seen = latest
             self._flushed_at = time.monotonic()
+            return True
         finally:
             self._lock.release()
