@@ -104,3 +104,27 @@ def test_fatal_device_errors_are_told_apart(message, fatal):
     from pergola.triton_io import is_fatal_device_error
 
     assert is_fatal_device_error(RuntimeError(message)) is fatal
+
+
+def test_cpu_instances_leave_a_core_to_triton(tmp_path):
+    """cpu_threads = 0: torch gets the cores less one (at least one); an explicit count is used
+    as given; GPU instances are left alone; a negative count is refused."""
+    import os
+
+    import torch
+
+    from pergola.config import EngineConfig
+    from pergola.triton_io import cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+        assert cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu")) == max(1, cores - 1)
+        assert torch.get_num_threads() == max(1, cores - 1)
+        assert cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu", cpu_threads=3)) == 3
+        assert cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cuda:0")) is None
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(model_dir=str(tmp_path), cpu_threads=-1)

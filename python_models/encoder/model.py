@@ -14,21 +14,23 @@ from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
 from pergola.engine import EncodeRequest, Engine
 from pergola.metrics import EncoderMetrics
 from pergola.pooling import finish
-from pergola.triton_io import (embed_options, error_response, exit_soon, instance_device, is_fatal_device_error,
-                               optional_scalar, required_array)
+from pergola.triton_io import (cpu_threads, embed_options, error_response, exit_soon, instance_device,
+                               is_fatal_device_error, optional_scalar, required_array)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.model_name = args["model_name"]
         self.cfg = EngineConfig.from_triton_args(args, device=instance_device(args))
+        threads = cpu_threads(self.cfg)
         self.engine = Engine(self.cfg)
         self.hidden = self.engine.spec.hidden_size
         self.rerank = self.engine.spec.task == "rerank"
         runner = self.engine.runner
         attention = runner.attention_in_use()
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
-                                 f"CUDA graphs {'on' if runner.graphs is not None else 'off'}; "
+                                 f"CUDA graphs {'on' if runner.graphs is not None else 'off'}"
+                                 f"{'' if threads is None else f', {threads} CPU threads'}; "
                                  f"start-up: {runner.startup_line()}")
         if runner.probe is not None and len(runner.probe.micros) > 1:
             pb_utils.Logger.log_info(f"{args['model_name']}: attention probe, µs per layer call: "

@@ -67,6 +67,8 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul", default=_env("matmul", "auto"),
                    help="auto (Triton tiles where measured faster on this GPU, else cuBLAS) | cublas | "
                         "a tile table from perf/bench_gemm.py --write-tiles")
+    p.add_argument("--cpu-threads", type=int, default=int(_env("cpu_threads", 0)),
+                   help="torch threads of a CPU encoder instance (0: the cores less one, leaving one to Triton)")
     p.add_argument("--task", choices=["", "embed", "rerank"], default="",
                    help="override what the folder says (e.g. rerank for a Qwen3-Reranker causal LM)")
     p.add_argument("--query-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=query")
@@ -93,7 +95,8 @@ def build_repo(args: argparse.Namespace) -> Path:
             dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_texts=args.max_texts,
             truncate=not args.no_truncate, attention_backend=args.attention_backend,
             eager_attention_backend=args.eager_attention_backend,
-            enforce_eager=args.enforce_eager, matmul=args.matmul, query_prompt=args.query_prompt, task=args.task,
+            enforce_eager=args.enforce_eager, matmul=args.matmul, cpu_threads=args.cpu_threads,
+            query_prompt=args.query_prompt, task=args.task,
             document_prompt=args.document_prompt, max_queue_size=args.max_queue_size,
             queue_timeout_ms=args.queue_timeout_ms,
         ))

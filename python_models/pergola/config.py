@@ -30,6 +30,10 @@ class EngineConfig:
     cuda_graph_max_tokens: steps with more tokens run eagerly (the launch-vs-GPU-time crossover).
     matmul:            "auto" (Triton tiles where measured faster on this GPU, else cuBLAS),
                        "cublas", or the path of a tile table from perf/bench_gemm.py --write-tiles.
+    cpu_threads:       torch intra-op threads of a CPU model instance in the server (0: one fewer
+                       than the cores the process may use, at least 1). On 2 cores, 2 threads left
+                       Triton's own threads no core and 4-10% of batch-1 requests stalled ~0.5 s;
+                       with 1, about none did (perf/RESULTS.md, session 7).
     query_prompt / document_prompt: prompt names or literal prefixes used for the `query` and
                        `document` prompt names when the folder defines none.
     """
@@ -46,6 +50,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_tokens: int = 4096
     matmul: str = "auto"
+    cpu_threads: int = 0
     query_prompt: str = ""
     document_prompt: str = ""
     task: str = ""
@@ -61,6 +66,8 @@ class EngineConfig:
         for name in ("max_batch_tokens", "max_batch_seqs", "max_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be 0 (auto) or positive, got {self.cpu_threads}")
         if self.matmul not in ("auto", "cublas"):
             if not Path(self.matmul).is_file():
                 raise ValueError(f"matmul must be 'auto', 'cublas' or a tile-table JSON file, got {self.matmul!r}")

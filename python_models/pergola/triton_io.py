@@ -7,6 +7,7 @@ pass it in; everything else in pergola imports and tests without Triton.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,22 @@ def error_response(pb_utils: Any, exc: Exception) -> Any:
     return pb_utils.InferenceResponse(
         error=pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
     )
+
+
+def cpu_threads(cfg: Any) -> int | None:
+    """Set torch's intra-op threads for a CPU instance (EngineConfig.cpu_threads; 0 = the cores
+    this process may use, less one for Triton's server threads, at least 1); None on a GPU.
+
+    Only in the stub process the adapter owns: an in-process Engine (tests, benchmarks) keeps
+    its caller's setting.
+    """
+    if not str(cfg.device).startswith("cpu"):
+        return None
+    import torch
+
+    threads = cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def instance_device(args: dict[str, str]) -> str:
