@@ -70,7 +70,8 @@ def cpu_threads(cfg: Any) -> int | None:
         return None
     import torch
 
-    threads = cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = cfg.cpu_threads or max(1, cores - 1)
     torch.set_num_threads(threads)
     return threads
 
