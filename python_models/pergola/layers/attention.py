@@ -99,7 +99,7 @@ class FlashAttention4:
     eagerly and inside graphs (tests/test_gpu.py), and per layer call, replayed in a graph, it
     takes 34 µs at one 2,048-token text and 112 µs at one of 4,096 where FlashInfer's FA3 takes
     47 and 135; at small and many-sequence steps the two are within a few percent, and eagerly it
-    pays ~150 µs of host work per call (perf/RESULTS.md, session 7). `flash_attn_varlen_func`
+    pays ~180 µs of host work per call (perf/RESULTS.md, session 7). `flash_attn_varlen_func`
     takes cu_seqlens on the device and max_seqlen as Python ints and reads no tensor on the host
     in the forward, so the call is graph-safe once its kernel is compiled; it returns (out, lse),
     lse None unless asked for. Kernels are JIT-compiled per variant on first use (the compile key
