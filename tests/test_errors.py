@@ -114,15 +114,15 @@ def test_cpu_instances_leave_a_core_to_triton(tmp_path):
     import torch
 
     from pergola.config import EngineConfig
-    from pergola.triton_io import cpu_threads
+    from pergola.triton_io import set_cpu_threads
 
     before = torch.get_num_threads()
     try:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        assert cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu")) == max(1, cores - 1)
+        assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu")) == max(1, cores - 1)
         assert torch.get_num_threads() == max(1, cores - 1)
-        assert cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu", cpu_threads=3)) == 3
-        assert cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cuda:0")) is None
+        assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu", cpu_threads=3)) == 3
+        assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cuda:0")) is None
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)

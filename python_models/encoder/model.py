@@ -14,15 +14,15 @@ from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
 from pergola.engine import EncodeRequest, Engine
 from pergola.metrics import EncoderMetrics
 from pergola.pooling import finish
-from pergola.triton_io import (cpu_threads, embed_options, error_response, exit_soon, instance_device,
-                               is_fatal_device_error, optional_scalar, required_array)
+from pergola.triton_io import (embed_options, error_response, exit_soon, instance_device,
+                               is_fatal_device_error, optional_scalar, required_array, set_cpu_threads)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.model_name = args["model_name"]
         self.cfg = EngineConfig.from_triton_args(args, device=instance_device(args))
-        threads = cpu_threads(self.cfg)
+        threads = set_cpu_threads(self.cfg)
         self.engine = Engine(self.cfg)
         self.hidden = self.engine.spec.hidden_size
         self.rerank = self.engine.spec.task == "rerank"

@@ -50,6 +50,8 @@ class EncoderMetrics:
                          for use, b in attention.items()]
         for metric in self._backend:
             metric.set(1)
+        # engine stats key -> counter: "requests", "sequences", "tokens", "steps_<mode>"
+        self._by_key = dict(self._counters) | {f"steps_{mode}": m for mode, m in self._steps.items()}
         self._seen: Counter[str] = Counter()  # what Triton has been told
         self._latest: Counter[str] = Counter()  # the engine's counts at the last update
         self._lock = threading.Lock()
@@ -79,11 +81,7 @@ class EncoderMetrics:
             return False
         try:
             latest = self._latest
-            for name, metric in self._counters.items():
-                if latest[name] > self._seen[name]:
-                    metric.increment(latest[name] - self._seen[name])
-            for mode, metric in self._steps.items():
-                key = f"steps_{mode}"
+            for key, metric in self._by_key.items():
                 if latest[key] > self._seen[key]:
                     metric.increment(latest[key] - self._seen[key])
             self._seen = latest

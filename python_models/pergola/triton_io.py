@@ -1,5 +1,5 @@
 """Helpers the Triton `model.py` adapters share: optional inputs, embedding options, errors,
-instance device.
+instance device, CPU threads.
 
 `pb_utils` (triton_python_backend_utils) only exists inside the Triton stub, so the adapters
 pass it in; everything else in pergola imports and tests without Triton.
@@ -59,7 +59,7 @@ def error_response(pb_utils: Any, exc: Exception) -> Any:
     )
 
 
-def cpu_threads(cfg: Any) -> int | None:
+def set_cpu_threads(cfg: Any) -> int | None:
     """Set torch's intra-op threads for a CPU instance (EngineConfig.cpu_threads; 0 = the cores
     this process may use, less one for Triton's server threads, at least 1); None on a GPU.
 
