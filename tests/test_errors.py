@@ -106,9 +106,10 @@ def test_fatal_device_errors_are_told_apart(message, fatal):
     assert is_fatal_device_error(RuntimeError(message)) is fatal
 
 
-def test_cpu_instances_leave_a_core_to_triton(tmp_path):
-    """cpu_threads = 0: torch gets the cores less one (at least one); an explicit count is used
-    as given; GPU instances are left alone; a negative count is refused."""
+@pytest.mark.parametrize("cores,expected", [(1, 1), (2, 1), (16, 15)])
+def test_cpu_instances_leave_a_core_to_triton(tmp_path, monkeypatch, cores, expected):
+    """cpu_threads = 0: torch gets the cores this process may use less one (at least one); an
+    explicit count is used as given; GPU instances are left alone; a negative count is refused."""
     import os
 
     import torch
@@ -116,14 +117,14 @@ def test_cpu_instances_leave_a_core_to_triton(tmp_path):
     from pergola.config import EngineConfig
     from pergola.triton_io import set_cpu_threads
 
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     before = torch.get_num_threads()
     try:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu")) == max(1, cores - 1)
-        assert torch.get_num_threads() == max(1, cores - 1)
+        assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu")) == expected
+        assert torch.get_num_threads() == expected
         assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cpu", cpu_threads=3)) == 3
         assert set_cpu_threads(EngineConfig(model_dir=str(tmp_path), device="cuda:0")) is None
-        assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 3  # untouched by the GPU instance
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="cpu_threads"):

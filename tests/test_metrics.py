@@ -28,12 +28,9 @@ class FakeFamily:
 
     def __init__(self, name: str, description: str, kind: str) -> None:
         self.name = name
-        self.metrics: list[FakeMetric] = []
 
     def Metric(self, labels: dict) -> FakeMetric:  # noqa: N802 - the stub's spelling
-        m = FakeMetric(FakeFamily.log, labels)
-        self.metrics.append(m)
-        return m
+        return FakeMetric(FakeFamily.log, labels)
 
 
 class FakePbUtils:

@@ -96,17 +96,17 @@ class FlashAttention4:
     """FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL, module `flash_attn.cute`): varlen forward.
 
     On the H200 (4.0.0b36, its sm90 kernel FlashAttentionForwardSm90) it matches PyTorch's FA2
-    eagerly and inside graphs (tests/test_gpu.py), and per layer call, replayed in a graph, it
-    takes 34 µs at one 2,048-token text and 112 µs at one of 4,096 where FlashInfer's FA3 takes
-    47 and 135; at small and many-sequence steps the two are within a few percent, and eagerly it
-    pays ~180 µs of host work per call (perf/RESULTS.md, session 7). `flash_attn_varlen_func`
-    takes cu_seqlens on the device and max_seqlen as Python ints and reads no tensor on the host
-    in the forward, so the call is graph-safe once its kernel is compiled; it returns (out, lse),
-    lse None unless asked for. Kernels are JIT-compiled per variant on first use (the compile key
-    includes tile choices that depend on max_seqlen, e.g. whether it exceeds one 128-row tile), so
-    a graph key's eager warm-up compiles before its capture, while eager steps may meet a new
-    variant mid-serving. `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1` (read at import) keeps
-    compiled kernels on disk across restarts.
+    eagerly and inside graphs (tests/test_gpu.py), and per layer call, replayed in a graph, it takes
+    34 µs at one 2,048-token text and 112 µs at one of 4,096 where FlashInfer's FA3 takes 47 and
+    135; at the other graph shapes the two are within 6% except 8 x 512 tokens (FA3 12% faster), and
+    launched eagerly it takes ~180 µs more per call than in a graph (perf/RESULTS.md, session 7).
+    `flash_attn_varlen_func` takes cu_seqlens on the device and max_seqlen as Python ints and reads
+    no tensor on the host in the forward, so the call is graph-safe once its kernel is compiled; it
+    returns (out, lse), lse None unless asked for. Kernels are JIT-compiled per variant on first use
+    (the compile key includes tile choices that depend on max_seqlen, e.g. whether it exceeds one
+    128-row tile), so a graph key's eager warm-up compiles before its capture, while eager steps may
+    meet a new variant mid-serving. `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1` (read at import)
+    keeps compiled kernels on disk across restarts.
     """
 
     name = "flash_attn4"
