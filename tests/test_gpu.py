@@ -134,20 +134,22 @@ def test_flashinfer_inside_graphs_matches_eager(qwen3_folders, backend):
 
 
 @pytest.mark.parametrize("kind", ["causal-last", "bidirectional-mean"])
-def test_flash_attn4_eager_and_graphs_match_torch_flash(qwen3_folders, kind):
-    """FlashAttention-4 (scripts/gpu_bundle.py --with-fa4): warm-up (eager), capture and replay of
-    padded graph buckets (empty padding sequences, max_seqlen = the bucket's tokens), and eager
-    steps above the crossover, against PyTorch's FA2 run eagerly."""
-    pytest.importorskip("flash_attn.cute")
-    from pergola.layers.attention import FlashAttention4
+@pytest.mark.parametrize("backend", ["flash_attn4", "triton"])
+def test_backend_eager_and_graphs_match_torch_flash(qwen3_folders, kind, backend):
+    """FlashAttention-4 (scripts/gpu_bundle.py --with-fa4) and pergola's Triton kernel: warm-up
+    (eager), capture and replay of padded graph buckets (empty padding sequences, max_seqlen = the
+    bucket's tokens), and eager steps above the crossover, against PyTorch's FA2 run eagerly."""
+    if backend == "flash_attn4":
+        pytest.importorskip("flash_attn.cute")
+        from pergola.layers.attention import FlashAttention4
 
-    if torch.cuda.get_device_capability()[0] not in FlashAttention4.SUPPORTED_MAJORS:
-        pytest.skip("flash_attn4 needs a Hopper or Blackwell GPU")
+        if torch.cuda.get_device_capability()[0] not in FlashAttention4.SUPPORTED_MAJORS:
+            pytest.skip("flash_attn4 needs a Hopper or Blackwell GPU")
     folder = qwen3_folders[kind]
     ref = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend="torch_flash",
                               enforce_eager=True))
-    graphed_steps_match(folder, "flash_attn4", ref)
-    big = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend="flash_attn4",
+    graphed_steps_match(folder, backend, ref)
+    big = Engine(EngineConfig(model_dir=str(folder), device="cuda", attention_backend=backend,
                               cuda_graph_max_tokens=64))
     assert cosine_rows(embed(big, TEXTS), embed(ref, TEXTS)).min() >= 0.999
     assert big.stats["steps_eager"] >= 1

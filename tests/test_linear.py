@@ -4,17 +4,11 @@ need a GPU: tests/test_gpu.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interp import run_in_interpreter
 
 from pergola.layers.linear import Tile, dump_tiles, load_tiles, pick_tile, table_key, tiles_for
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pick_tile_walks_rows_in_increasing_m():
@@ -95,10 +89,4 @@ print("ok")
 
 
 def test_triton_kernel_indexing_in_the_interpreter():
-    triton = pytest.importorskip("triton")
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
-        # Triton 3.6's interpreter cannot take a scalar argument as a loop bound (GPU-tested instead).
-        pytest.skip(f"Triton {triton.__version__}'s interpreter; tests/test_gpu.py checks the kernel on a GPU")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "python_models"))
-    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    run_in_interpreter(KERNEL_CHECK)

@@ -10,7 +10,7 @@ from typing import Any
 from pergola.hf_folder import ModelSpec, load_model_spec
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "sdpa", "torch_flash", "flashinfer_fa2", "flashinfer_fa3", "flash_attn4")
+ATTENTION_BACKENDS = ("auto", "sdpa", "torch_flash", "flashinfer_fa2", "flashinfer_fa3", "flash_attn4", "triton")
 
 
 @dataclass

@@ -13,6 +13,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from pergola.layers.fused import QKNormRope, split_qkv
+
 
 @dataclass
 class AttentionMetadata:
@@ -47,6 +49,19 @@ class AttentionBackend(Protocol):
     name: str
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+def qk_norm_rope_attention(attn: AttentionBackend, qkv: torch.Tensor, norm_rope: QKNormRope, num_heads: int,
+                           num_kv_heads: int, head_dim: int, meta: AttentionMetadata) -> torch.Tensor:
+    """Qwen3's q/k RMSNorm + RoPE, then attention: qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq, D].
+
+    A backend that applies the norm and RoPE itself as it loads q and k (`fuses_qk_norm_rope`)
+    gets the raw projections: one kernel and one pass over q/k through memory fewer per layer.
+    Otherwise the q/k-norm + RoPE kernel runs first, in place.
+    """
+    if getattr(attn, "fuses_qk_norm_rope", False):
+        return attn(*split_qkv(qkv, num_heads, num_kv_heads, head_dim), meta, norm_rope=norm_rope)
+    return attn(*norm_rope(qkv, num_heads, num_kv_heads, head_dim), meta)
 
 
 class SdpaAttention:
@@ -149,9 +164,13 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
         return FlashInferAttention(name.split("_", 1)[1], device, dtype)
     if name == "flash_attn4":
         return FlashAttention4(device)
+    if name == "triton":
+        from pergola.layers.triton_attention import TritonAttention
+
+        return TritonAttention(device)
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available here; choose from "
-                         f"{sorted(BACKENDS) + ['flashinfer_fa2', 'flashinfer_fa3', 'flash_attn4']}")
+                         f"{sorted(BACKENDS) + ['flashinfer_fa2', 'flashinfer_fa3', 'flash_attn4', 'triton']}")
     return BACKENDS[name]()
 
 

@@ -1,0 +1,179 @@
+"""Ragged attention as one small Triton kernel: for the short steps of online queries.
+
+Why another kernel: at one 128-token text the general-purpose kernels cost more than the math.
+FlashInfer's FA3 takes 6.5 µs per layer call there and PyTorch's FA2 9.2 µs (perf/RESULTS.md,
+session 7) for ~67 MFLOP, i.e. the time is set-up, scheduling and tail, and 28 layers pay it
+at every batch-1 query. This kernel does no planning and has no split-KV merge: one program per
+(block of BM query tokens, query head) walks its keys in BN-token blocks with an online softmax
+(FlashAttention's recurrence, exp2 with the scale folded in) and writes its rows once.
+
+Ragged without a per-step schedule: a program's rows are BM consecutive tokens of the flat
+batch, which may belong to several sequences. Each row finds its own sequence [start, end) in
+`cu_seqlens` on the device, the program walks the keys from its first row's start to its last
+row's end (causal: to its last row), and masks per element. So the grid depends only on the
+(padded) token count, and the call is graph-safe with no host work. The price is wasted key
+blocks when many short sequences share a program's rows, and a serial key loop per program:
+the start-up probe (pergola.layers.attention_probe) times it against the other kernels per
+class of step size and only picks it where it wins.
+
+Layouts: q [T, Hq, D], k / v [T, Hkv, D], any token and head strides with a contiguous last
+dimension (views into the fused qkv projection are read in place); GQA maps query head h to
+key/value head h // (Hq / Hkv). Output [T, Hq, D], contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pergola.layers.fused import HAVE_TRITON, QKNormRope
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _seq_bounds(cu_ptr, num_cu, rows, CU_BLOCK: tl.constexpr):
+        # Sequence [start, end) of each row: start = the last offset <= row, end = the first > row.
+        # cu_seqlens [num_cu] is read in blocks so one compiled kernel serves any sequence count.
+        big = 1 << 30
+        start = tl.zeros_like(rows)
+        end = tl.zeros_like(rows) + big
+        for j0 in range(0, num_cu, CU_BLOCK):
+            j = j0 + tl.arange(0, CU_BLOCK)
+            cu = tl.load(cu_ptr + j, mask=j < num_cu, other=big)
+            before = cu[None, :] <= rows[:, None]  # [BM, CU_BLOCK]
+            start = tl.maximum(start, tl.max(tl.where(before, cu[None, :], 0), axis=1))
+            end = tl.minimum(end, tl.min(tl.where(before, big, cu[None, :]), axis=1))
+        return start, end
+
+    @triton.jit
+    def _load_heads(ptr, idx, ok, stride_t, head, stride_h, HALF: tl.constexpr):
+        # Rows idx of one head as two halves [N, D/2] (RoPE rotates half against half).
+        h = tl.arange(0, HALF)
+        base = ptr + idx[:, None].to(tl.int64) * stride_t + head * stride_h + h[None, :]
+        return tl.load(base, mask=ok[:, None], other=0.0), tl.load(base + HALF, mask=ok[:, None], other=0.0)
+
+    @triton.jit
+    def _norm_rope(x1, x2, w_ptr, cos_ptr, sin_ptr, pos, eps, HALF: tl.constexpr):
+        # Per-head RMSNorm then RoPE on [N, D/2] halves: the same roundings as fused.qk_norm_rope
+        # (HF: normalised value rounded, times weight rounded, RoPE in fp32 rounded).
+        dt = x1.dtype
+        h = tl.arange(0, HALF)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + h).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + h).to(tl.float32)[None, :]
+        y1 = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y2 = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        table = pos[:, None] * HALF + h[None, :]
+        c = tl.load(cos_ptr + table).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + table).to(dt).to(tl.float32)
+        return (y1 * c - y2 * s).to(dt), (y2 * c + y1 * s).to(dt)
+
+    @triton.jit
+    def _ragged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, num_cu, num_tokens,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        qk_scale,  # softmax scale * log2(e): the softmax runs on exp2
+        qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, eps,  # NORM_ROPE only
+        CAUSAL: tl.constexpr, NORM_ROPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, CU_BLOCK: tl.constexpr,
+    ):
+        # Program (m, h): query rows [m BM, m BM + BM) of head h, against kv head h // GROUP.
+        # NORM_ROPE: q and k arrive raw from the qkv projection and get Qwen3's per-head RMSNorm
+        # and RoPE as they are loaded (keys once per program that reads them), so the separate
+        # q/k-norm + RoPE kernel and its round trip through memory are gone.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        pid_m = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < num_tokens
+        q1, q2 = _load_heads(q_ptr, rows, row_ok, stride_qt, head, stride_qh, HALF)  # [BM, D/2] x 2
+        start, end = _seq_bounds(cu_ptr, num_cu, rows, CU_BLOCK)
+        if NORM_ROPE:
+            q1, q2 = _norm_rope(q1, q2, qw_ptr, cos_ptr, sin_ptr, tl.load(pos_ptr + rows, mask=row_ok, other=0),
+                                eps, HALF)
+        end = tl.minimum(end, num_tokens)
+        lo = tl.min(tl.where(row_ok, start, num_tokens), axis=0)
+        if CAUSAL:
+            hi = tl.minimum(pid_m * BM + BM, num_tokens)  # the last row sees keys up to itself
+        else:
+            hi = tl.max(tl.where(row_ok, end, 0), axis=0)
+        d = tl.arange(0, HEAD_DIM)
+        m_i = tl.full([BM], float("-inf"), tl.float32)  # running max of the scaled scores
+        l_i = tl.zeros([BM], tl.float32)  # running sum of exp2(score - m_i)
+        acc = tl.zeros([BM, HEAD_DIM], tl.float32)
+        for n0 in range(lo, hi, BN):
+            cols = n0 + tl.arange(0, BN)
+            col_ok = cols < hi
+            k1, k2 = _load_heads(k_ptr, cols, col_ok, stride_kt, kv_head, stride_kh, HALF)  # [BN, D/2] x 2
+            if NORM_ROPE:
+                k1, k2 = _norm_rope(k1, k2, kw_ptr, cos_ptr, sin_ptr,
+                                    tl.load(pos_ptr + cols, mask=col_ok, other=0), eps, HALF)
+            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale  # [BM, BN]
+            ok = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= rows[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + cols[:, None].to(tl.int64) * stride_vt + kv_head * stride_vh + d[None, :],
+                        mask=col_ok[:, None], other=0.0)  # [BN, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                     norm_rope: QKNormRope | None = None, block_m: int = 64, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v per sequence of the flat batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+
+    norm_rope: q and k are raw projections; the kernel normalises and rotates them (Qwen3).
+    """
+    t, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads or head_dim & (head_dim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"triton attention needs Hq % Hkv == 0, a power-of-two head_dim and a contiguous last "
+                         f"dimension (got q {tuple(q.shape)} strides {q.stride()}, k {tuple(k.shape)})")
+    out = torch.empty(t, heads, head_dim, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(t, block_m), heads)
+    nr = norm_rope
+    _ragged_attention_kernel[grid](
+        q, k, v, out, cu_seqlens, cu_seqlens.numel(), t,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        math.log2(math.e) / math.sqrt(head_dim),
+        *((q, q, q, q, cu_seqlens, 0.0) if nr is None else (nr.q_weight, nr.k_weight, nr.cos, nr.sin, nr.positions,
+                                                              nr.eps)),
+        CAUSAL=causal, NORM_ROPE=nr is not None, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BM=block_m,
+        BN=block_n, CU_BLOCK=16, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+class TritonAttention:
+    """`ragged_attention` behind the backend interface: no planning, graph-safe, CUDA only.
+
+    It takes Qwen3's q/k-norm + RoPE into the kernel (`fuses_qk_norm_rope`): one kernel per
+    layer fewer, which at batch 1 is worth more than the attention itself (perf/RESULTS.md).
+    """
+
+    name = "triton"
+    needs_padding = False
+    graph_safe = True
+    fuses_qk_norm_rope = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" or not HAVE_TRITON:
+            raise ValueError("attention backend triton needs a CUDA device and the triton package")
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
+                 norm_rope: QKNormRope | None = None) -> torch.Tensor:
+        return ragged_attention(q, k, v, meta.cu_seqlens, meta.causal, norm_rope)
