@@ -174,7 +174,9 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, (Hq + 2 Hkv) * D] -> views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (no copy)."""
     t = qkv.shape[0]
-    return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    return (qkv[:, :q_end].view(t, num_heads, head_dim), qkv[:, q_end:k_end].view(t, num_kv_heads, head_dim),
+            qkv[:, k_end:].view(t, num_kv_heads, head_dim))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

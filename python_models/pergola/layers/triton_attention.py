@@ -72,7 +72,8 @@ if HAVE_TRITON:
         s = tl.load(sin_ptr + table).to(dt).to(tl.float32)
         return (y1 * c - y2 * s).to(dt), (y2 * c + y1 * s).to(dt)
 
-    @triton.jit
+    # Token and sequence counts change every step: not specialised on (no recompiles mid-serving).
+    @triton.jit(do_not_specialize=["num_cu", "num_tokens"])
     def _ragged_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, num_cu, num_tokens,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
