@@ -5,10 +5,8 @@
 For each shape (sequences x tokens each, Qwen3-0.6B heads 16/8 x 128, causal, BF16) every
 available backend and a few tile choices of the Triton kernel (pergola.layers.triton_attention)
 run 28 calls on 28 distinct q/k/v buffers, strided views into a fused qkv tensor as in the
-model, captured in one CUDA graph and replayed: µs per call, best of 5 replays. Two columns per
-kernel: attention alone, and "+nr": with Qwen3's q/k-norm + RoPE, as the model runs it (its own
-kernel first, or inside the Triton kernel). Each kernel's output is first checked against
-PyTorch's FA2 on the same inputs (max |diff|).
+model, captured in one CUDA graph and replayed: µs per call, best of 5 replays. Each Triton
+tile's output is first checked against PyTorch's FA2 on the same inputs (max |diff|).
 """
 
 from __future__ import annotations
@@ -22,31 +20,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_models"))
 from pergola.cudagraph import capture  # noqa: E402
-from pergola.layers.attention import AttentionMetadata, make_backend, qk_norm_rope_attention  # noqa: E402
+from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
 from pergola.layers.attention_probe import candidates  # noqa: E402
-from pergola.layers.fused import QKNormRope  # noqa: E402
+from pergola.layers.fused import split_qkv  # noqa: E402
 from pergola.layers.triton_attention import ragged_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 8, 128, 28
 # (BM, BN, warps, stages) of the Triton kernel
-TILES = [(64, 64, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (32, 32, 2, 3), (64, 32, 4, 3),
-         (64, 64, 4, 4), (128, 64, 8, 3)]
+TILES = [(64, 64, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)]
 
 
-def layer_inputs(t: int, dev: torch.device) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...], QKNormRope]]:
-    """28 layers' (qkv [T, (Hq + 2 Hkv) D], its q/k/v views, q/k-norm + RoPE parameters)."""
-    out = []
-    q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
-    angles = torch.arange(t, device=dev)[:, None] / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=dev) / HEAD_DIM))
-    for _ in range(LAYERS):
-        qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        views = (qkv[:, :q_end].view(t, HEADS, HEAD_DIM), qkv[:, q_end:k_end].view(t, KV_HEADS, HEAD_DIM),
-                 qkv[:, k_end:].view(t, KV_HEADS, HEAD_DIM))
-        nr = QKNormRope(torch.rand(HEAD_DIM, device=dev, dtype=torch.bfloat16) + 0.5,
-                        torch.rand(HEAD_DIM, device=dev, dtype=torch.bfloat16) + 0.5, angles.cos(), angles.sin(),
-                        torch.arange(t, device=dev), 1e-6)  # positions: one text (timing only)
-        out.append((qkv, views, nr))
-    return out
+def layer_inputs(t: int, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """28 layers' q/k/v: views into a fused qkv tensor [T, (Hq + 2 Hkv) D] each, as in the model."""
+    return [split_qkv(torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16),
+                      HEADS, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
 
 
 def time_graph(run, reps: int = 5) -> float:
@@ -82,21 +69,18 @@ def main() -> None:
         cu_host = torch.arange(0, t + 1, length, dtype=torch.int32)
         meta = AttentionMetadata(cu_seqlens=cu_host.to(dev), max_seqlen=length, causal=causal)
         layers = layer_inputs(t, dev)
-        ref = make_backend("torch_flash", dev, torch.bfloat16)(*layers[0][1], meta)
+        ref = make_backend("torch_flash", dev, torch.bfloat16)(*layers[0], meta)
         row: dict[str, float] = {}
         for name, attn in backends.items():
             if getattr(attn, "needs_plan", False):
                 attn.plan(cu_host, HEADS, KV_HEADS, HEAD_DIM, causal, graph_key=(seqs, t))
-            row[name] = time_graph(lambda: [attn(*views, meta) for _, views, _ in layers])  # noqa: B023
-            row[name + " +nr"] = time_graph(lambda: [qk_norm_rope_attention(  # noqa: B023
-                attn, qkv, nr, HEADS, KV_HEADS, HEAD_DIM, meta) for qkv, _, nr in layers])  # noqa: B023
+            row[name] = time_graph(lambda: [attn(q, k, v, meta) for q, k, v in layers])  # noqa: B023
         for bm, bn, warps, stages in TILES:
-            def call(views, nr=None):  # noqa: ANN001, ANN202
-                return ragged_attention(*views, meta.cu_seqlens, causal, nr, bm, bn, warps, stages)  # noqa: B023
+            def call(q, k, v):  # noqa: ANN001, ANN202
+                return ragged_attention(q, k, v, meta.cu_seqlens, causal, bm, bn, warps, stages)  # noqa: B023
             name = f"triton {bm}x{bn}/w{warps}s{stages}"
-            row[name + " maxdiff"] = (call(layers[0][1]).float() - ref.float()).abs().max().item()
-            row[name] = time_graph(lambda: [call(views) for _, views, _ in layers])  # noqa: B023
-            row[name + " +nr"] = time_graph(lambda: [call(views, nr) for _, views, nr in layers])  # noqa: B023
+            row[name + " maxdiff"] = (call(*layers[0]).float() - ref.float()).abs().max().item()
+            row[name] = time_graph(lambda: [call(q, k, v) for q, k, v in layers])  # noqa: B023
         results[shape] = row
         print(shape, "  ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
     if args.out:

@@ -27,7 +27,7 @@ def fake_kernels(monkeypatch):
             raise RuntimeError("no kernel image for this GPU")
         return FakeBackend(name)
 
-    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype, graphed=False, norm_rope=False):
+    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype, graphed=False):
         assert graphed == (shape in ap.SMALL_SHAPES)  # graph-sized steps are timed in graphs
         small, large = speed[attn.name]
         return small if shape in ap.SMALL_SHAPES else large
@@ -49,7 +49,7 @@ def test_probe_picks_fastest_per_step_size(fake_kernels):
 
 def test_probe_picks_a_kernel_per_graph_step_class(fake_kernels, monkeypatch):
     # "short" wins steps up to 512 tokens, "long" the larger graph steps: two rules.
-    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype, graphed=False, norm_rope=False):
+    def timing(attn, heads, kv_heads, head_dim, causal, shape, device, dtype, graphed=False):
         tokens = shape[0] * shape[1]
         return {"short": 5 if tokens <= 512 else 90, "long": 12 if tokens <= 512 else 40}[attn.name]
 

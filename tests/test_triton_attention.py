@@ -2,8 +2,8 @@
 
 Its indexing — rows of one program spanning several sequences, each finding its own [start, end)
 in cu_seqlens, causal and bidirectional masks, GQA, strided q/k/v views, the padding sequence of
-a graph bucket, empty sequences, Qwen3's q/k-norm + RoPE applied inside — runs through Triton's
-interpreter in FP32 against SDPA per sequence. BF16 on the GPU, eagerly and inside graphs: tests/test_gpu.py.
+a graph bucket, empty sequences — runs through Triton's interpreter in FP32 against SDPA per
+sequence. BF16 on the GPU, eagerly and inside graphs: tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pergola.layers.attention_probe import candidates
 KERNEL_CHECK = r"""
 import torch
 import torch.nn.functional as F
-from pergola.layers.fused import QKNormRope, qk_norm_rope_ref
 from pergola.layers.triton_attention import ragged_attention
 
 def reference(q, k, v, lengths, causal):
@@ -47,15 +46,6 @@ for lengths in ([37], [20, 3, 1, 17, 9], [1] * 19 + [5], [12, 30, 0, 0]):
         got = ragged_attention(q, k, v, cu, causal, block_m=16, block_n=16)
         torch.testing.assert_close(got, reference(q, k, v, [n for n in lengths if n], causal),
                                    atol=1e-5, rtol=1e-5)
-        # Qwen3's q/k-norm + RoPE inside the kernel = the reference norm + RoPE, then attention.
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        angles = torch.arange(64)[:, None] / (1e4 ** (torch.arange(0, dim, 2) / dim))
-        nr = QKNormRope(torch.rand(dim) + 0.5, torch.rand(dim) + 0.5, angles.cos(), angles.sin(), positions, 1e-6)
-        rq, rk, rv = qk_norm_rope_ref(qkv, nr.q_weight, nr.k_weight, nr.cos, nr.sin, positions, heads, kv_heads,
-                                      dim, nr.eps)
-        got = ragged_attention(q, k, v, cu, causal, nr, block_m=16, block_n=16)
-        torch.testing.assert_close(got, reference(rq, rk, rv, [n for n in lengths if n], causal),
-                                   atol=1e-5, rtol=1e-5)
 print("ok")
 """
 
@@ -80,38 +70,3 @@ def test_triton_backend_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         make_backend("triton", torch.device("cpu"), torch.bfloat16)
 
-
-def test_qk_norm_rope_goes_into_fusing_backends_only():
-    """A backend that fuses the norm gets raw q/k views of qkv and the parameters; others get
-    q/k normalised and rotated first (the reference kernel on the CPU)."""
-    from pergola.layers.attention import AttentionMetadata, qk_norm_rope_attention
-    from pergola.layers.fused import QKNormRope, qk_norm_rope_ref
-
-    heads, kv_heads, dim, t = 4, 2, 16, 5
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
-    angles = torch.arange(t)[:, None] / (1e4 ** (torch.arange(0, dim, 2) / dim))
-    nr = QKNormRope(torch.rand(dim) + 0.5, torch.rand(dim) + 0.5, angles.cos(), angles.sin(), torch.arange(t), 1e-6)
-    meta = AttentionMetadata(cu_seqlens=torch.tensor([0, t], dtype=torch.int32), max_seqlen=t, causal=True)
-    seen = {}
-
-    class Fusing:
-        fuses_qk_norm_rope = True
-
-        def __call__(self, q, k, v, meta, norm_rope=None):
-            seen.update(q=q.clone(), k=k.clone(), v=v, norm_rope=norm_rope)
-            return q
-
-    class Plain:
-        def __call__(self, q, k, v, meta):
-            seen.update(q=q.clone(), k=k.clone(), v=v, norm_rope=None)
-            return q
-
-    raw = qkv.clone()
-    qk_norm_rope_attention(Fusing(), qkv, nr, heads, kv_heads, dim, meta)
-    assert seen["norm_rope"] is nr and torch.equal(seen["q"].reshape(t, -1), raw[:, :heads * dim])
-    assert seen["v"].data_ptr() == qkv.data_ptr() + (heads + kv_heads) * dim * qkv.element_size()  # a view
-    ref_q, ref_k, _ = qk_norm_rope_ref(raw, nr.q_weight, nr.k_weight, nr.cos, nr.sin, nr.positions, heads,
-                                       kv_heads, dim, nr.eps)
-    qk_norm_rope_attention(Plain(), qkv, nr, heads, kv_heads, dim, meta)
-    torch.testing.assert_close(seen["q"], ref_q)
-    torch.testing.assert_close(seen["k"], ref_k)

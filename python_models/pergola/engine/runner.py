@@ -185,8 +185,7 @@ class ModelRunner:
         cfg, device = self.cfg, self.device
         if cfg.attention_backend == "auto" and device.type == "cuda" and self.dtype != torch.float32:
             t0 = time.perf_counter()
-            self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype,
-                                         norm_rope=getattr(self.model, "has_qk_norm_rope", False))
+            self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype)
             self.startup["attention_probe"] = time.perf_counter() - t0
             rules = [(tokens, self.probe.backends[name]) for tokens, name in self.probe.graph_rules]
             eager_name = self.probe.eager

@@ -13,8 +13,6 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from pergola.layers.fused import QKNormRope, split_qkv
-
 
 @dataclass
 class AttentionMetadata:
@@ -49,19 +47,6 @@ class AttentionBackend(Protocol):
     name: str
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
-
-
-def qk_norm_rope_attention(attn: AttentionBackend, qkv: torch.Tensor, norm_rope: QKNormRope, num_heads: int,
-                           num_kv_heads: int, head_dim: int, meta: AttentionMetadata) -> torch.Tensor:
-    """Qwen3's q/k RMSNorm + RoPE, then attention: qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq, D].
-
-    A backend that applies the norm and RoPE itself as it loads q and k (`fuses_qk_norm_rope`)
-    gets the raw projections: one kernel and one pass over q/k through memory fewer per layer.
-    Otherwise the q/k-norm + RoPE kernel runs first, in place.
-    """
-    if getattr(attn, "fuses_qk_norm_rope", False):
-        return attn(*split_qkv(qkv, num_heads, num_kv_heads, head_dim), meta, norm_rope=norm_rope)
-    return attn(*norm_rope(qkv, num_heads, num_kv_heads, head_dim), meta)
 
 
 class SdpaAttention:

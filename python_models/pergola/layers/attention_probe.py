@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pergola.cudagraph import capture
-from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend, qk_norm_rope_attention
-from pergola.layers.fused import HAVE_TRITON, QKNormRope, split_qkv
+from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
+from pergola.layers.fused import HAVE_TRITON, split_qkv
 
 log = logging.getLogger("pergola.attention")
 
@@ -101,14 +101,12 @@ def candidates(head_dim: int, dtype: torch.dtype) -> list[str]:
 
 def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: int, causal: bool,
                  shape: tuple[int, int], device: torch.device, dtype: torch.dtype, iters: int = 10,
-                 graphed: bool = False, norm_rope: bool = False) -> float:
+                 graphed: bool = False) -> float:
     """Mean µs of one call on a ragged batch of `shape` (planning, if any, outside the timing).
 
     q/k/v are views into one fused qkv tensor, as the models hand them over.
     graphed: `iters` calls captured in a CUDA graph and replayed, as a graph step runs them
     (FlashInfer through its CUDA-graph-mode wrapper); launch overhead is then not counted.
-    norm_rope: the model normalises and rotates q/k first (Qwen3), so that is timed with the
-    attention: its own kernel, or inside a kernel that fuses it (`qk_norm_rope_attention`).
     """
     seqs, length = shape
     t = seqs * length
@@ -117,16 +115,8 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
     meta = AttentionMetadata(cu_seqlens=cu_host.to(device), max_seqlen=length, causal=causal)
     if getattr(attn, "needs_plan", False):
         attn.plan(cu_host, heads, kv_heads, head_dim, causal, graph_key=(seqs, t) if graphed else None)
-    if norm_rope:
-        angles = torch.arange(length, device=device)[:, None] / (1e4 ** (torch.arange(0, head_dim, 2, device=device)
-                                                                        / head_dim))
-        nr = QKNormRope(torch.rand(head_dim, device=device, dtype=dtype) + 0.5,
-                        torch.rand(head_dim, device=device, dtype=dtype) + 0.5, angles.cos(), angles.sin(),
-                        torch.arange(t, device=device) % length, 1e-6)
-        call = lambda: qk_norm_rope_attention(attn, qkv, nr, heads, kv_heads, head_dim, meta)  # noqa: E731
-    else:
-        q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
-        call = lambda: attn(q, k, v, meta)  # noqa: E731
+    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
+    call = lambda: attn(q, k, v, meta)  # noqa: E731
     for _ in range(3):
         call()
     run = lambda: [call() for _ in range(iters)]  # noqa: E731
@@ -144,11 +134,8 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
 
 
 def probe(heads: int, kv_heads: int, head_dim: int, causal: bool, device: torch.device,
-          dtype: torch.dtype, names: list[str] | None = None, norm_rope: bool = False) -> ProbeResult:
-    """Time every candidate on each class of graph steps (in graphs) and on LARGE_SHAPES (eager).
-
-    norm_rope: the model's q/k-norm + RoPE is timed with each kernel (see `time_backend`).
-    """
+          dtype: torch.dtype, names: list[str] | None = None) -> ProbeResult:
+    """Time every candidate on each class of graph steps (in graphs) and on LARGE_SHAPES (eager)."""
     names = names or candidates(head_dim, dtype)
     last = max(GRAPH_CLASSES)
     if len(names) == 1:  # nothing to choose between
@@ -160,7 +147,7 @@ def probe(heads: int, kv_heads: int, head_dim: int, causal: bool, device: torch.
             attn = make_backend(name, device, dtype)
             micros[name] = {
                 f"{s}x{n}": time_backend(attn, heads, kv_heads, head_dim, causal, (s, n), device, dtype,
-                                         graphed=(s, n) in SMALL_SHAPES, norm_rope=norm_rope)
+                                         graphed=(s, n) in SMALL_SHAPES)
                 for s, n in SMALL_SHAPES + LARGE_SHAPES}
             backends[name] = attn
         except Exception as e:  # noqa: BLE001 - a kernel that fails here is simply not chosen

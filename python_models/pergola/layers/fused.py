@@ -13,8 +13,6 @@ Numerics follow Hugging Face: statistics in fp32, results rounded to the model d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -150,24 +148,6 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         qkv, q_weight, k_weight, cos, sin, positions, qkv.stride(0), eps, NUM_Q=num_heads, NUM_K=num_kv_heads,
         HP_Q=triton.next_power_of_2(num_heads), HP_K=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim)
     return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-
-
-@dataclass(frozen=True)
-class QKNormRope:
-    """Qwen3's per-head q/k RMSNorm + RoPE: its own kernel (`qk_norm_rope`), or applied by an
-    attention kernel to the raw q and k as it loads them (pergola.layers.triton_attention)."""
-
-    q_weight: torch.Tensor  # [D]
-    k_weight: torch.Tensor  # [D]
-    cos: torch.Tensor  # [max_positions, D / 2]
-    sin: torch.Tensor  # [max_positions, D / 2]
-    positions: torch.Tensor  # [T] int64, within each sequence
-    eps: float
-
-    def __call__(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return qk_norm_rope(qkv, self.q_weight, self.k_weight, self.cos, self.sin, self.positions, num_heads,
-                            num_kv_heads, head_dim, self.eps)
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,

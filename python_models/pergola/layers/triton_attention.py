@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from pergola.layers.fused import HAVE_TRITON, QKNormRope
+from pergola.layers.fused import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -48,73 +48,41 @@ if HAVE_TRITON:
             end = tl.minimum(end, tl.min(tl.where(before, big, cu[None, :]), axis=1))
         return start, end
 
-    @triton.jit
-    def _load_heads(ptr, idx, ok, stride_t, head, stride_h, HALF: tl.constexpr):
-        # Rows idx of one head as two halves [N, D/2] (RoPE rotates half against half).
-        h = tl.arange(0, HALF)
-        base = ptr + idx[:, None].to(tl.int64) * stride_t + head * stride_h + h[None, :]
-        return tl.load(base, mask=ok[:, None], other=0.0), tl.load(base + HALF, mask=ok[:, None], other=0.0)
-
-    @triton.jit
-    def _norm_rope(x1, x2, w_ptr, cos_ptr, sin_ptr, pos, eps, HALF: tl.constexpr):
-        # Per-head RMSNorm then RoPE on [N, D/2] halves: the same roundings as fused.qk_norm_rope
-        # (HF: normalised value rounded, times weight rounded, RoPE in fp32 rounded).
-        dt = x1.dtype
-        h = tl.arange(0, HALF)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + h).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + h).to(tl.float32)[None, :]
-        y1 = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y2 = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        table = pos[:, None] * HALF + h[None, :]
-        c = tl.load(cos_ptr + table).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + table).to(dt).to(tl.float32)
-        return (y1 * c - y2 * s).to(dt), (y2 * c + y1 * s).to(dt)
-
     # Token and sequence counts change every step: not specialised on (no recompiles mid-serving).
     @triton.jit(do_not_specialize=["num_cu", "num_tokens"])
     def _ragged_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, num_cu, num_tokens,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         qk_scale,  # softmax scale * log2(e): the softmax runs on exp2
-        qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, eps,  # NORM_ROPE only
-        CAUSAL: tl.constexpr, NORM_ROPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, CU_BLOCK: tl.constexpr,
     ):
         # Program (m, h): query rows [m BM, m BM + BM) of head h, against kv head h // GROUP.
-        # NORM_ROPE: q and k arrive raw from the qkv projection and get Qwen3's per-head RMSNorm
-        # and RoPE as they are loaded (keys once per program that reads them), so the separate
-        # q/k-norm + RoPE kernel and its round trip through memory are gone.
-        HALF: tl.constexpr = HEAD_DIM // 2
         pid_m = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // GROUP
         rows = pid_m * BM + tl.arange(0, BM)
         row_ok = rows < num_tokens
-        q1, q2 = _load_heads(q_ptr, rows, row_ok, stride_qt, head, stride_qh, HALF)  # [BM, D/2] x 2
+        d = tl.arange(0, HEAD_DIM)
+        # q first: its load is in flight while the rows' sequence bounds are read.
+        q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [BM, D]
         start, end = _seq_bounds(cu_ptr, num_cu, rows, CU_BLOCK)
-        if NORM_ROPE:
-            q1, q2 = _norm_rope(q1, q2, qw_ptr, cos_ptr, sin_ptr, tl.load(pos_ptr + rows, mask=row_ok, other=0),
-                                eps, HALF)
         end = tl.minimum(end, num_tokens)
         lo = tl.min(tl.where(row_ok, start, num_tokens), axis=0)
         if CAUSAL:
             hi = tl.minimum(pid_m * BM + BM, num_tokens)  # the last row sees keys up to itself
         else:
             hi = tl.max(tl.where(row_ok, end, 0), axis=0)
-        d = tl.arange(0, HEAD_DIM)
         m_i = tl.full([BM], float("-inf"), tl.float32)  # running max of the scaled scores
         l_i = tl.zeros([BM], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([BM, HEAD_DIM], tl.float32)
         for n0 in range(lo, hi, BN):
             cols = n0 + tl.arange(0, BN)
             col_ok = cols < hi
-            k1, k2 = _load_heads(k_ptr, cols, col_ok, stride_kt, kv_head, stride_kh, HALF)  # [BN, D/2] x 2
-            if NORM_ROPE:
-                k1, k2 = _norm_rope(k1, k2, kw_ptr, cos_ptr, sin_ptr,
-                                    tl.load(pos_ptr + cols, mask=col_ok, other=0), eps, HALF)
-            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale  # [BM, BN]
+            k = tl.load(k_ptr + cols[:, None].to(tl.int64) * stride_kt + kv_head * stride_kh + d[None, :],
+                        mask=col_ok[:, None], other=0.0)  # [BN, D]
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BM, BN]
             ok = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
             if CAUSAL:
                 ok = ok & (cols[None, :] <= rows[:, None])
@@ -134,11 +102,13 @@ if HAVE_TRITON:
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
-                     norm_rope: QKNormRope | None = None, block_m: int = 64, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 3) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v per sequence of the flat batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
-    norm_rope: q and k are raw projections; the kernel normalises and rotates them (Qwen3).
+    block_m: query rows per program; by default 16 up to 128 tokens (more programs for a tiny
+    step: 5.1 vs 5.8 µs at one 128-token text on the H200) and 64 above (fewer key re-reads:
+    8.0 vs 8.6 µs at 256 tokens, 12.1 vs 17.6 at 512; perf/bench_short_attn.py).
     """
     t, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -146,35 +116,27 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"triton attention needs Hq % Hkv == 0, a power-of-two head_dim and a contiguous last "
                          f"dimension (got q {tuple(q.shape)} strides {q.stride()}, k {tuple(k.shape)})")
     out = torch.empty(t, heads, head_dim, dtype=q.dtype, device=q.device)
+    block_m = block_m or (16 if t <= 128 else 64)
     grid = (triton.cdiv(t, block_m), heads)
-    nr = norm_rope
     _ragged_attention_kernel[grid](
         q, k, v, out, cu_seqlens, cu_seqlens.numel(), t,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         math.log2(math.e) / math.sqrt(head_dim),
-        *((q, q, q, q, cu_seqlens, 0.0) if nr is None else (nr.q_weight, nr.k_weight, nr.cos, nr.sin, nr.positions,
-                                                              nr.eps)),
-        CAUSAL=causal, NORM_ROPE=nr is not None, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BM=block_m,
-        BN=block_n, CU_BLOCK=16, num_warps=num_warps, num_stages=num_stages)
+        CAUSAL=causal, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BM=block_m, BN=block_n, CU_BLOCK=16,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 class TritonAttention:
-    """`ragged_attention` behind the backend interface: no planning, graph-safe, CUDA only.
-
-    It takes Qwen3's q/k-norm + RoPE into the kernel (`fuses_qk_norm_rope`): one kernel per
-    layer fewer, which at batch 1 is worth more than the attention itself (perf/RESULTS.md).
-    """
+    """`ragged_attention` behind the backend interface: no planning, graph-safe, CUDA only."""
 
     name = "triton"
     needs_padding = False
     graph_safe = True
-    fuses_qk_norm_rope = True
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or not HAVE_TRITON:
             raise ValueError("attention backend triton needs a CUDA device and the triton package")
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
-                 norm_rope: QKNormRope | None = None) -> torch.Tensor:
-        return ragged_attention(q, k, v, meta.cu_seqlens, meta.causal, norm_rope)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        return ragged_attention(q, k, v, meta.cu_seqlens, meta.causal)

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from pergola.hf_folder import ModelFolderError
-from pergola.layers.attention import AttentionBackend, AttentionMetadata, qk_norm_rope_attention
-from pergola.layers.fused import QKNormRope, rms_norm
+from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.fused import qk_norm_rope, rms_norm
 from pergola.layers.linear import gated_linear, linear
 
 
@@ -79,12 +79,10 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self._project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
-        # q/k RMSNorm + RoPE: its own kernel (in place; q, k, v are views into qkv), or inside
-        # the attention kernel where the backend does that.
-        norm_rope = QKNormRope(self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
-                               self.q_norm.eps)
-        out = qk_norm_rope_attention(attn, qkv, norm_rope, self.num_heads, self.num_kv_heads, self.head_dim, meta)
-        return self._project(self.o_proj, out.reshape(t, self.q_size), residual)
+        # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
+        q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
+                               self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
+        return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
     @staticmethod
     def _project(proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,7 +150,6 @@ class Qwen3Model(nn.Module):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
     checkpoint_prefixes = ("model.",)  # Qwen3ForCausalLM checkpoints; lm_head.* is skipped
-    has_qk_norm_rope = True  # the attention probe times kernels with it (some fuse it)
 
     def __init__(self, cfg: dict[str, Any], causal: bool = True, task: str = "embed",
                  score_token_ids: tuple[int, int] | None = None) -> None:
