@@ -270,6 +270,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     runner = engine.runner
     res: dict = {"model": name, "folder": str(folder), "engine_load_s": load_s, "latency": {}, "throughput": {},
                  "attention": {"graph": runner.attn.name, "eager": runner.eager_attn.name,
+                               "in_use": runner.attention_in_use(),
                                "probe_us": None if runner.probe is None else runner.probe.micros},
                  "variants": parse_variants(args.variant), "variant_errors": variant_errors}
     print(f"{name}: loaded in {load_s:.1f} s; attention {res['attention']}", flush=True)
