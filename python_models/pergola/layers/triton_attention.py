@@ -115,14 +115,19 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """softmax(q k^T / sqrt(D)) v per sequence of the flat batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     block_m: query rows per program; by default 16 up to 128 tokens (more programs for a tiny
-    step: 5.1 vs 5.8 µs at one 128-token text on the H200) and 64 above (fewer key re-reads:
-    8.0 vs 8.6 µs at 256 tokens, 12.1 vs 17.6 at 512; perf/bench_short_attn.py).
+    step: 4.95 vs 5.80 µs at one 128-token text on the H200) and 64 above (fewer key re-reads:
+    8.3 vs 8.9 µs at 256 tokens, 12.5 vs 20.8 at 512; perf/bench_short_attn.py, session 8).
+    Half precision on a GPU (its dots would run FP32 inputs as TF32); FP32 anywhere in the
+    interpreter.
     """
     t, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads or head_dim & (head_dim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"triton attention needs Hq % Hkv == 0, a power-of-two head_dim and a contiguous last "
                          f"dimension (got q {tuple(q.shape)} strides {q.stride()}, k {tuple(k.shape)})")
+    if q.is_cuda and q.dtype == torch.float32:
+        raise ValueError("triton attention runs in float16/bfloat16 on a GPU; for float32 use attention_backend "
+                         "sdpa (or a half-precision compute dtype)")
     out = torch.empty(t, heads, head_dim, dtype=q.dtype, device=q.device)
     block_m = block_m or (16 if t <= 128 else 64)
     grid = (triton.cdiv(t, block_m), heads)
