@@ -19,6 +19,7 @@ from pergola.layers.attention_probe import candidates
 KERNEL_CHECK = r"""
 import torch
 import torch.nn.functional as F
+from pergola.layers.fused import split_qkv
 from pergola.layers.triton_attention import ragged_attention
 
 def reference(q, k, v, lengths, causal):
@@ -37,10 +38,8 @@ heads, kv_heads, dim = 4, 2, 32
 for lengths in ([37], [20, 3, 1, 17, 9], [1] * 19 + [5], [12, 30, 0, 0]):
     for causal in (True, False):
         t = sum(lengths)
-        qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)  # q/k/v as views, as in the model
-        q = qkv[:, :heads * dim].view(t, heads, dim)
-        k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim)
-        v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
+        # q/k/v as views into one fused tensor, as the model hands them over
+        q, k, v = split_qkv(torch.randn(t, (heads + 2 * kv_heads) * dim), heads, kv_heads, dim)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths).cumsum(0)
         got = ragged_attention(q, k, v, cu, causal, block_m=16, block_n=16)
@@ -58,6 +57,7 @@ def test_triton_kernel_is_a_probe_candidate_only_with_a_gpu(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # keep FlashInfer out of the list
     monkeypatch.setitem(sys.modules, "flashinfer.jit.attention", None)
+    monkeypatch.delenv("PERGOLA_PROBE_FA4", raising=False)  # and FlashAttention-4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert candidates(128, torch.bfloat16) == ["torch_flash"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -154,8 +154,9 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
 
         return TritonAttention(device)
     if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not available here; choose from "
-                         f"{sorted(BACKENDS) + ['flashinfer_fa2', 'flashinfer_fa3', 'flash_attn4', 'triton']}")
+        from pergola.config import ATTENTION_BACKENDS  # the one list of names
+
+        raise ValueError(f"attention backend {name!r} is not available here; choose from {list(ATTENTION_BACKENDS)}")
     return BACKENDS[name]()
 
 
