@@ -1,11 +1,14 @@
 """Where one engine step spends GPU time: torch.profiler over a few steps of a given shape.
 
     python perf/profile_step.py --model qwen3-0.6b --seqs 32 --length 512
+    python perf/profile_step.py --seqs 1 --length 128 --grid   # + each kernel's grid: CTAs vs the SMs
 """
 
 import argparse
+import json
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,9 +26,46 @@ p.add_argument("--length", type=int, default=512)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--workdir", default=None)
 p.add_argument("--matmul", default="auto", help="EngineConfig.matmul: auto, cublas or a tile-table file")
+p.add_argument("--grid", action="store_true",
+               help="also list every kernel of one call with its grid (CTAs) against the GPU's SM count")
 args = p.parse_args()
+
+
+def kernel_grids(engine: Engine, seqs) -> str:
+    """One warm call's kernels in launch order, grouped by (name, grid): how many CTAs each launches.
+
+    A kernel with fewer CTAs than the GPU has SMs leaves SMs idle; at batch 1 that is the question
+    for the matmuls (torch.profiler's trace gives each kernel's grid and block)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_engine import pergola_embed, sync
+
+    for _ in range(3):
+        pergola_embed(engine, seqs)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pergola_embed(engine, seqs)
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel":
+            grid = e.get("args", {}).get("grid", [0, 0, 0])
+            groups[(e["name"][:70], grid[0] * grid[1] * grid[2])].append(e["dur"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = [f"{sms} SMs; {sum(map(len, groups.values()))} kernels, "
+             f"{sum(map(sum, groups.values())):.0f} us busy",
+             f"{'kernel':70} {'CTAs':>6} {'n':>4} {'mean us':>8} {'total us':>9}"]
+    for (name, ctas), durs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{name:70} {ctas:6d} {len(durs):4d} {sum(durs) / len(durs):8.2f} {sum(durs):9.1f}")
+    return "\n".join(lines)
+
 folder = model_folder(args.model, Path(args.workdir or tempfile.mkdtemp()))
 engine = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=args.matmul))
 seqs = TokenWindows(load_model_spec(folder).tokenizer_file).ids(args.length, args.seqs, seed=1)
 print(f"{args.model}: {args.seqs} x {args.length} tokens, {args.steps} calls, matmul={args.matmul}")
 print(profile_step(engine, seqs, steps=args.steps))
+if args.grid:
+    print(kernel_grids(engine, seqs))
