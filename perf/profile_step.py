@@ -32,7 +32,7 @@ args = p.parse_args()
 
 
 def kernel_grids(engine: Engine, seqs) -> str:
-    """One warm call's kernels in launch order, grouped by (name, grid): how many CTAs each launches.
+    """One warm call's kernels grouped by (name, grid), most time first: how many CTAs each launches.
 
     A kernel with fewer CTAs than the GPU has SMs leaves SMs idle; at batch 1 that is the question
     for the matmuls (torch.profiler's trace gives each kernel's grid and block)."""
@@ -48,7 +48,7 @@ def kernel_grids(engine: Engine, seqs) -> str:
         sync()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
     for e in events:
         if e.get("cat") == "kernel":
