@@ -132,6 +132,49 @@ def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank
         proc.kill()
 
 
+@dataclass
+class ServeProcess:
+    """A `pergola serve` process (what `make serve` runs) on free ports."""
+
+    proc: subprocess.Popen
+    http: int
+    grpc: int
+    repo: Path
+    log: Path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_serve(root: Path, model: str, *args: str, wait: bool = True) -> ServeProcess:
+    """`pergola serve --model MODEL --repo ROOT/repo --device cpu` + `args`, ready unless wait=False."""
+    import sys
+
+    from pergola.server import free_port, wait_ready
+
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    repo, log = root / "repo", root / "serve.log"
+    cmd = [sys.executable, "-m", "pergola.cli", "serve", "--model", model, "--repo", str(repo), "--device", "cpu",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args]
+    served = ServeProcess(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT), http, grpc, repo, log)
+    if wait:
+        try:
+            wait_ready(http, served.proc, timeout=240)
+        except Exception:
+            served.stop()
+            raise AssertionError(served.log_tail())
+    return served
+
+
 @pytest.fixture(params=["grpc", "http"])
 def client(request: pytest.FixtureRequest, server: RunningServer):
     from pergola_client import PergolaClient

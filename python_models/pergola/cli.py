@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from pergola.admin import ADMIN_HEADER
 from pergola_client import ENCODINGS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -83,8 +84,16 @@ def _use_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def build_repo(args: argparse.Namespace) -> Path:
+def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
+    """Write the repository; `lock` is the caller's RepoLock on it (taken here when None)."""
     from pergola.repo_builder import build_repository, entry_from_folder
+    from pergola.server import RepoLock, ServerError
+
+    if lock is None:
+        try:
+            lock = RepoLock(args.repo)
+        except ServerError as e:
+            raise SystemExit(str(e)) from None
 
     models = args.model or [f"{DEFAULT_MODEL_NAME}={default_model_folder()}"]
     entries = []
@@ -106,15 +115,26 @@ def build_repo(args: argparse.Namespace) -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from pergola.server import ServerOptions, exec_foreground, serve_supervised
+    from pergola.admin import AdminError, default_token_file, read_token, write_token
+    from pergola.server import RepoLock, ServerError, ServerOptions, exec_foreground, serve_supervised
 
-    repo = build_repo(args)
+    try:
+        lock = RepoLock(args.repo)  # held until the server exits
+        token = read_token(args.admin_token_file) if args.admin_token_file else None
+    except (ServerError, AdminError) as e:
+        raise SystemExit(str(e)) from None
+    repo = build_repo(args, lock)
+    token_file = Path(args.admin_token_file) if args.admin_token_file else default_token_file(repo)
+    if token is None:
+        token = write_token(token_file)
+    print(f"admin token: {token_file} (header {ADMIN_HEADER}: the repository, logging, trace and "
+          "shared-memory APIs refuse calls without it)", flush=True)
     opts = ServerOptions(repo=repo, http_port=args.http_port, grpc_port=args.grpc_port,
-                         metrics_port=args.metrics_port, model_control=args.model_control,
-                         log_verbose=args.log_verbose)
+                         metrics_port=args.metrics_port, bind=args.bind, model_control=args.model_control,
+                         log_verbose=args.log_verbose, admin_token=token)
     if args.model_control == "explicit":
         raise SystemExit(serve_supervised(opts))
-    exec_foreground(opts)
+    exec_foreground(opts, lock)
 
 
 def embed(args: argparse.Namespace) -> None:
@@ -135,19 +155,19 @@ def embed(args: argparse.Namespace) -> None:
 
 def add_version(args: argparse.Namespace) -> None:
     """New version of a served model, loaded through the repository API when --url is given."""
-    import urllib.request
-
+    from pergola.admin import AdminError, RepositoryClient, default_token_file, read_token
     from pergola.repo_builder import add_version as add
 
-    version = add(args.repo, args.name, args.model)
-    print(f"{args.name}: version {version} written under {args.repo}")
-    if args.url:
-        for part in ("encoder", "tokenizer"):  # the encoder first: it must accept the new ids
-            req = urllib.request.Request(f"{args.url.rstrip('/')}/v2/repository/models/{args.name}_{part}/load",
-                                         data=b"{}", method="POST")
-            with urllib.request.urlopen(req, timeout=600) as r:
-                r.read()
+    try:
+        api = RepositoryClient(args.url, read_token(args.admin_token_file or default_token_file(args.repo))) \
+            if args.url else None
+        version = add(args.repo, args.name, args.model)
+        print(f"{args.name}: version {version} written under {args.repo}")
+        for part in ("encoder", "tokenizer") if api else ():  # the encoder first: it must accept the new ids
+            api.load(f"{args.name}_{part}")
             print(f"{args.name}_{part}: version {version} loaded")
+    except AdminError as e:
+        raise SystemExit(f"add-version: {e}") from None
 
 
 def rerank(args: argparse.Namespace) -> None:
@@ -175,8 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 8001)))
     p.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 8002)))
     p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="explicit",
-                   help="explicit (default): repository API on, and a supervisor reloads a model whose "
-                        "Python stub died; none: load everything once, no reloads")
+                   help="explicit (default): repository API on (behind the admin token), and a supervisor "
+                        "reloads a model whose Python stub died; none: load everything once, no reloads")
+    p.add_argument("--bind", default=_env("bind", "0.0.0.0"),
+                   help="address the HTTP, gRPC and metrics ports listen on (default: every interface; "
+                        "127.0.0.1 keeps the server to this machine)")
+    p.add_argument("--admin-token-file", default=_env("admin_token_file", None),
+                   help="file holding the admin token (header pergola-admin-token) that the repository, "
+                        "logging, trace and shared-memory APIs require; default: a new random token "
+                        "written to REPO/.admin-token (mode 0600) at every start")
     p.add_argument("--log-verbose", type=int, default=0)
     p.set_defaults(func=serve)
 
@@ -197,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", required=True, help="the model's name in the repository")
     p.add_argument("--model", required=True, help="HF folder of the new version")
     p.add_argument("--url", default=None, help="http://host:8000 of a server in explicit model-control mode")
+    p.add_argument("--admin-token-file", default=_env("admin_token_file", None),
+                   help="the server's admin token (default: REPO/.admin-token, written by `pergola serve`)")
     p.set_defaults(func=add_version)
 
     p = sub.add_parser("rerank", help="score DOCUMENT... against QUERY with a running server; prints JSON")

@@ -9,7 +9,9 @@ first `python3` it finds, whose numpy must be 1.x (the stub reads tensors wrongl
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +19,8 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pergola.admin import redact, restricted_api_flags
 
 DEFAULT_CACHE = Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
 
@@ -93,10 +97,19 @@ class ServerOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    bind: str = "0.0.0.0"  # address of the HTTP, gRPC and metrics listeners
     model_control: str = "none"  # "none" loads everything; "explicit" for the repository API
     log_verbose: int = 0
     shm_bytes: int = 8 << 20  # Python backend shared-memory arena per instance (grows by as much)
+    # The repository, logging, trace and shared-memory APIs answer only calls that carry this
+    # token (pergola.admin); a fresh random one unless the caller has one to share.
+    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     extra: list[str] = field(default_factory=list)
+
+    @property
+    def local_host(self) -> str:
+        """Where this machine reaches the server (the wildcard binds answer on loopback)."""
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
 
 
 def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
@@ -104,14 +117,18 @@ def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
         str(install.binary),
         f"--model-repository={opts.repo}",
         f"--backend-directory={install.backend_dir}",
+        f"--http-address={opts.bind}",
         f"--http-port={opts.http_port}",
+        f"--grpc-address={opts.bind}",
         f"--grpc-port={opts.grpc_port}",
+        f"--metrics-address={opts.bind}",
         f"--metrics-port={opts.metrics_port}",
         f"--model-control-mode={opts.model_control}",
         f"--log-verbose={opts.log_verbose}",
         f"--backend-config=python,shm-default-byte-size={opts.shm_bytes}",
         f"--backend-config=python,shm-growth-byte-size={opts.shm_bytes}",
         "--strict-readiness=true",
+        *restricted_api_flags(opts.admin_token),
         *(["--load-model=*"] if opts.model_control == "explicit" else []),
         *opts.extra,
     ]
@@ -123,13 +140,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float = 180.0) -> None:
+def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float = 180.0,
+               host: str = "127.0.0.1") -> None:
     """Poll /v2/health/ready until the server and every model are up."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout
-    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+    url = f"http://{host}:{http_port}/v2/health/ready"
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise ServerError(f"tritonserver exited with code {process.returncode} before it was ready")
@@ -143,46 +161,133 @@ def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float 
     raise ServerError(f"tritonserver was not ready after {timeout:.0f} s")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux), so a
+    killed `pergola serve` or test run leaves no tritonserver holding its ports and GPU."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def start(opts: ServerOptions, log_path: Path | None = None) -> subprocess.Popen:
     """Start tritonserver in the background (tests, benchmarks)."""
     install = TritonInstall.prepare()
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(server_command(install, opts), env=install.env(), stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(server_command(install, opts), env=install.env(), stdout=out, stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent)
+
+
+class RepoLock:
+    """One server per repository folder: an exclusive lock on `<repo>.lock` beside it.
+
+    Two `pergola serve` on one folder would rewrite it under each other (and their
+    supervisors would count each other's stubs); the second is refused instead. The lock is
+    held by this process, and by tritonserver itself once it replaces this process (exec).
+    """
+
+    def __init__(self, repo: Path) -> None:
+        import fcntl
+
+        repo = Path(repo).expanduser().resolve()
+        self.path = repo.with_name(repo.name + ".lock")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise ServerError(f"{repo} is in use by another pergola server (pid {holder}); stop it, or "
+                              "give this one its own folder with --repo") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def keep_across_exec(self) -> None:
+        os.set_inheritable(self._fd, True)
+
+
+def _stop_now(proc: subprocess.Popen, repo: Path, grace_s: float = 1.0) -> None:
+    """End a broken server: SIGTERM, SIGKILL after `grace_s` (a dead stub can hold Triton's
+    shutdown for its whole exit timeout), then its remaining stubs."""
+    from pergola.supervisor import stub_pids
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pids in stub_pids(repo).values():
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _remove_shm(prefix: str) -> None:
+    """The Python backend's /dev/shm regions of a server that has exited (a killed one leaves them)."""
+    for path in Path("/dev/shm").glob(f"{prefix}*"):
+        path.unlink(missing_ok=True)
 
 
 def serve_supervised(opts: ServerOptions) -> int:
-    """Run tritonserver in the foreground with the stub supervisor beside it (`make serve`).
+    """Run tritonserver in the foreground and restart it whenever a model's stub dies (`make serve`).
 
-    Explicit model control lets the supervisor reload a model whose Python stub died; SIGINT and
-    SIGTERM go to tritonserver, whose exit code this returns.
+    SIGINT and SIGTERM end the watch first (no restart may race the shutdown), then go to
+    tritonserver, whose exit code this returns. Why a restart rather than a model reload:
+    pergola/supervisor.py.
     """
-    import signal
-    import threading
-
-    from pergola.supervisor import supervise
+    from pergola.admin import RepositoryClient
+    from pergola.supervisor import Supervisor
 
     install = TritonInstall.prepare()
-    cmd = server_command(install, opts)
-    print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=install.env())
+    shm_prefix = f"pergola_{os.getpid()}_"
+    cmd = server_command(install, opts) + [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
+    print("+ " + " ".join(redact(cmd, opts.admin_token)), flush=True)
+    supervisor = Supervisor(opts.repo, RepositoryClient(f"{opts.local_host}:{opts.http_port}", opts.admin_token))
+    stopping = False
+    proc: subprocess.Popen | None = None
+
+    def shutdown(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+        signal.signal(sig, shutdown)
+    restarts = 0
+    while not stopping:
+        proc = subprocess.Popen(cmd, env=install.env(), preexec_fn=_die_with_parent)
+        running = lambda: proc.poll() is None and not stopping  # noqa: E731
+        dead = None
+        if opts.model_control == "explicit":
+            try:
+                wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host)
+                dead = supervisor.watch(running)
+            except ServerError:
+                pass  # exited, or never ready: its own log says why
+        if dead is None or stopping:
+            break
+        restarts += 1
+        print(f"pergola: a stub process of model {dead} died; restarting tritonserver (restart {restarts})",
+              flush=True)
+        _stop_now(proc, opts.repo)
+        _remove_shm(shm_prefix)
+    rc = proc.wait() if proc is not None else 0
+    _remove_shm(shm_prefix)
+    return rc
 
-    def watch() -> None:
-        try:
-            wait_ready(opts.http_port, proc, timeout=600)
-        except ServerError:
-            return
-        supervise(opts.repo, opts.http_port, alive=lambda: proc.poll() is None)
 
-    if opts.model_control == "explicit":
-        threading.Thread(target=watch, name="pergola-supervisor", daemon=True).start()
-    return proc.wait()
-
-
-def exec_foreground(opts: ServerOptions) -> None:
+def exec_foreground(opts: ServerOptions, lock: RepoLock | None = None) -> None:
     """Replace this process with tritonserver (`make serve`): signals go straight to it."""
     install = TritonInstall.prepare()
     cmd = server_command(install, opts)
-    print("+ " + " ".join(cmd), flush=True)
+    print("+ " + " ".join(redact(cmd, opts.admin_token)), flush=True)
+    if lock is not None:
+        lock.keep_across_exec()
     os.execve(cmd[0], cmd, install.env())

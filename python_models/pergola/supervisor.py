@@ -1,22 +1,27 @@
-"""Recovery: reload a model whose Python stub process died.
+"""Recovery: restart the server when a model's Python stub process dies, every time it dies.
 
 Triton 2.51 does not restart a Python-backend stub that crashed (out of memory, a killed
 process, a CUDA fault): every later request to that model fails with "Stub process ... is not
-healthy" until the model is loaded again. `pergola serve` runs tritonserver in explicit
-model-control mode and this supervisor beside it: every `interval_s` it counts each model's live
-stub processes (from /proc) and, when one has fewer than its config asks for, reloads that model
-through the repository API. A reload replaces the model's instances; ensembles that reference it
-keep working, and requests fail only while the stub is down.
+healthy" while the model, the server and the repository index all still say READY. Reloading
+the model does not work reliably: a load of a loaded model whose files did not change is a
+no-op, and an unload never completes once a request has reached the dead stub (the Python
+backend's response factory for that request keeps the model alive), which also holds
+shutdown until Triton's exit timeout. So `pergola serve` watches the stubs (this module, every
+`interval_s`, from /proc) and, when a READY model has fewer live stubs than it started with,
+stops tritonserver (its stubs and shared memory with it) and starts it again: readiness is
+false until every model is back, and each recovery starts from a clean process.
+Models an operator unloaded on purpose are not READY and are left alone.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
-import urllib.request
 from pathlib import Path
+from typing import Callable
+
+from pergola.admin import AdminError, RepositoryClient
 
 log = logging.getLogger("pergola.supervisor")
 
@@ -56,25 +61,32 @@ def live_stubs(repo: Path) -> dict[str, int]:
     return {name: len(p) for name, p in stub_pids(repo).items()}
 
 
-def reload_model(http_port: int, name: str) -> None:
-    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/models/{name}/load",
-                                 data=json.dumps({}).encode(), method="POST")
-    with urllib.request.urlopen(req, timeout=300) as r:
-        r.read()
+class Supervisor:
+    """Watches one server's stubs for a death (server.serve_supervised restarts the server)."""
 
+    def __init__(self, repo: Path, api: RepositoryClient, interval_s: float = 0.5) -> None:
+        self.repo = repo
+        self.api = api
+        self.interval_s = interval_s
 
-def supervise(repo: Path, http_port: int, alive, interval_s: float = 2.0) -> None:
-    """Loop while `alive()`: reload every model with a dead stub. Runs in `pergola serve`."""
-    expected = expected_instances(repo)
-    while alive():
-        time.sleep(interval_s)
-        running = live_stubs(repo)
-        for name, want in expected.items():
-            have = running.get(name, 0)
-            if have < want and alive():
-                log.warning("model %s: %d of %d stub processes alive; reloading it", name, have, want)
+    def watch(self, running: Callable[[], bool]) -> str | None:
+        """Block while `running()`; return the name of a READY model whose stub died, or None
+        once `running()` is false (the server exited, or shutdown began)."""
+        # Per model, the stubs it should have: its config's count, or more if Triton started
+        # more (KIND_GPU places `count` instances on every visible GPU).
+        started = live_stubs(self.repo)
+        expected = {name: max(n, started.get(name, 0)) for name, n in expected_instances(self.repo).items()}
+        while running():
+            time.sleep(self.interval_s)
+            alive = live_stubs(self.repo)
+            short = [name for name, want in expected.items() if alive.get(name, 0) < want]
+            if short and running():
                 try:
-                    reload_model(http_port, name)
-                    log.warning("model %s reloaded", name)
-                except OSError as e:  # server shutting down, or the load failed: try again later
-                    log.warning("reloading %s failed: %s", name, e)
+                    states = self.api.index()
+                except (AdminError, OSError) as e:  # going down, or busy: look again
+                    log.warning("stub supervisor: repository index failed: %s", e)
+                    continue
+                dead = [name for name in short if states.get(name) == "READY"]
+                if dead:
+                    return dead[0]
+        return None

@@ -1,0 +1,233 @@
+"""`pergola serve` as a careless or hostile client meets it: closed admin doors, recovery from
+dead stubs every time, a clean shutdown, one server per repository folder."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TEXTS, ServeProcess, cosine_rows, start_serve
+
+EVIL_MODEL = """
+import pathlib
+class TritonPythonModel:
+    def initialize(self, args):
+        pathlib.Path({marker!r}).write_text("ran")
+    def execute(self, requests):
+        return []
+"""
+EVIL_CONFIG = {"name": "x", "backend": "python", "max_batch_size": 0,
+               "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}],
+               "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [1]}]}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+    served = start_serve(tmp_path_factory.mktemp("serve"), f"mini={minilm_folder}")
+    yield served
+    served.stop()
+
+
+def http_call(served: ServeProcess, method: str, path: str, body: dict | None = None,
+              token: str | None = None) -> tuple[int, str]:
+    headers = {"pergola-admin-token": token} if token else {}
+    data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
+    req = urllib.request.Request(f"http://127.0.0.1:{served.http}{path}", data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def token_of(served: ServeProcess) -> str:
+    path = served.repo / ".admin-token"
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    return path.read_text().strip()
+
+
+def evil_load_body(marker: Path) -> dict:
+    source = EVIL_MODEL.format(marker=str(marker)).encode()
+    return {"parameters": {"config": json.dumps(EVIL_CONFIG), "file:1/model.py": base64.b64encode(source).decode()}}
+
+
+ANONYMOUS_HTTP = [
+    ("POST", "/v2/repository/index", None),
+    ("POST", "/v2/repository/models/embed/unload", None),
+    ("POST", "/v2/repository/models/mini_encoder/load", None),
+    ("GET", "/v2/logging", None),
+    ("POST", "/v2/logging", {"log_verbose_level": 1}),
+    ("GET", "/v2/trace/setting", None),
+    ("POST", "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"]}),
+    ("GET", "/v2/systemsharedmemory/status", None),
+    ("POST", "/v2/systemsharedmemory/region/r/register", {"key": "/pergola_x", "offset": 0, "byte_size": 64}),
+]
+
+
+@pytest.mark.parametrize("method,path,body", ANONYMOUS_HTTP)
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789"])
+def test_admin_http_apis_refuse_calls_without_the_token(served, method, path, body, token):
+    status, text = http_call(served, method, path, body, token=token)
+    assert status >= 400 and "restricted" in text, (status, text)
+    assert http_call(served, "GET", "/v2/models/embed/ready")[0] == 200
+    assert http_call(served, "GET", "/v2/health/ready")[0] == 200
+
+
+def test_anonymous_model_upload_runs_no_code(served, tmp_path):
+    marker = tmp_path / "ran"
+    status, text = http_call(served, "POST", "/v2/repository/models/x/load", evil_load_body(marker))
+    assert status >= 400 and "restricted" in text, (status, text)
+    time.sleep(2)
+    assert not marker.exists()
+    assert "x" not in {row["name"] for row in json.loads(
+        http_call(served, "POST", "/v2/repository/index", token=token_of(served))[1])}
+
+
+def test_admin_grpc_apis_refuse_calls_without_the_token(served, tmp_path):
+    import tritonclient.grpc as grpcclient
+
+    from pergola.admin import GRPC_ADMIN_HEADER
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
+    marker = tmp_path / "ran"
+    body = evil_load_body(marker)["parameters"]
+    calls = {
+        "index": lambda h: client.get_model_repository_index(headers=h),
+        "load": lambda h: client.load_model("x", headers=h, config=body["config"],
+                                            files={"file:1/model.py": base64.b64decode(body["file:1/model.py"])}),
+        "unload": lambda h: client.unload_model("embed", headers=h),
+        "log settings": lambda h: client.update_log_settings({"log_verbose_level": 1}, headers=h),
+        "trace settings": lambda h: client.get_trace_settings(headers=h),
+        "shared memory": lambda h: client.register_system_shared_memory("r", "/pergola_x", 64, headers=h),
+    }
+    for name, call in calls.items():
+        for headers in (None, {GRPC_ADMIN_HEADER: "wrong-token-0123456789"}):
+            with pytest.raises(InferenceServerException, match="restricted") as err:
+                call(headers)
+            assert err.value, name
+    time.sleep(2)
+    assert not marker.exists()
+    assert client.is_model_ready("embed") and client.is_server_ready()
+    # The token opens the same doors: the repository index answers over gRPC too.
+    index = client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: token_of(served)}, as_json=True)
+    assert {"embed", "mini_encoder"} <= {m["name"] for m in index["models"]}
+
+
+def test_the_admin_token_opens_the_repository_api(served, tmp_path):
+    """An operator with the token can load an uploaded model (the door is closed, not walled up)."""
+    marker = tmp_path / "ran"
+    token = token_of(served)
+    status, text = http_call(served, "POST", "/v2/repository/models/x/load", evil_load_body(marker), token=token)
+    assert status == 200, text
+    assert marker.read_text() == "ran"
+    assert http_call(served, "POST", "/v2/repository/models/x/unload", token=token)[0] == 200
+
+
+def test_inference_and_health_stay_open(served, reference):
+    from pergola_client import PergolaClient
+
+    with PergolaClient(f"127.0.0.1:{served.grpc}") as client:
+        out = client.embed(TEXTS[:2])
+    assert cosine_rows(out, reference[:2]).min() >= 0.9999
+    assert http_call(served, "GET", "/v2/health/live")[0] == 200
+    assert http_call(served, "GET", "/v2/models/embed/config")[0] == 200
+
+
+def test_a_second_server_on_the_same_repository_is_refused(served):
+    from pergola.server import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pergola.cli", "serve", "--repo", str(served.repo), "--device", "cpu",
+         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "in use by another pergola server" in out.stderr + out.stdout
+    assert (served.repo / "mini_encoder" / "config.pbtxt").is_file()  # not rewritten under the first
+    assert http_call(served, "GET", "/v2/health/ready")[0] == 200
+
+
+def ready(served: ServeProcess) -> bool:
+    try:
+        return http_call(served, "GET", "/v2/health/ready")[0] == 200 and \
+            http_call(served, "GET", "/v2/models/embed/ready")[0] == 200
+    except OSError:  # connection refused while the server restarts
+        return False
+
+
+def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
+    """Three kills of the encoder's stub in a row under steady traffic: each time readiness goes
+    false, service is back within 15 s, and no answer is ever wrong."""
+    from pergola.supervisor import stub_pids
+    from pergola_client import PergolaClient
+
+    answers: list[tuple[float, object]] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                with PergolaClient(f"127.0.0.1:{served.grpc}", timeout_s=10) as client:
+                    answers.append((time.monotonic(), client.embed(TEXTS[:2])))
+            except Exception as e:  # noqa: BLE001 - failures while a stub is down are expected
+                answers.append((time.monotonic(), e))
+                time.sleep(0.1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    recoveries = []
+    try:
+        for _ in range(3):
+            [stub] = stub_pids(served.repo)["mini_encoder"]
+            killed_at = time.monotonic()
+            os.kill(stub, signal.SIGKILL)
+            saw_not_ready = False
+            while time.monotonic() - killed_at < 60:
+                saw_not_ready |= not ready(served)
+                ok = [t for t, a in answers if t > killed_at + 0.5 and isinstance(a, np.ndarray)]
+                if ok and saw_not_ready:
+                    recoveries.append(ok[0] - killed_at)
+                    break
+                time.sleep(0.2)
+            assert saw_not_ready, "readiness stayed true while the encoder's stub was dead"
+            assert len(recoveries) == _ + 1, served.log_tail()
+            assert stub_pids(served.repo)["mini_encoder"] != [stub]
+            time.sleep(1.0)  # steady service before the next kill
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert served.proc.poll() is None
+    print(f"recovered after {', '.join(f'{r:.1f}' for r in recoveries)} s")
+    assert max(recoveries) <= 15.0, recoveries
+    good = [a for _, a in answers if isinstance(a, np.ndarray)]
+    assert len(good) > 10
+    for out in good:
+        assert cosine_rows(out, reference[:2]).min() >= 0.9999
+
+
+def test_shutdown_is_clean_and_quick(served):
+    """SIGTERM (what `make serve`'s Ctrl-C and `docker stop` send) after the kills above: exit
+    code 0 within a few seconds, no restart after the signal, no shared memory left behind."""
+    pid = served.proc.pid
+    started = time.monotonic()
+    served.proc.send_signal(signal.SIGTERM)
+    code = served.proc.wait(timeout=60)
+    took = time.monotonic() - started
+    log = served.log.read_text(errors="replace")
+    assert code == 0, log[-3000:]
+    assert took < 10.0, (took, log[-3000:])
+    assert "restarting tritonserver" not in log[log.rindex("Signal (15) received"):]
+    assert not list(Path("/dev/shm").glob(f"pergola_{pid}_*"))
