@@ -42,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     results: dict[str, dict[str, float]] = {}
-    for name in candidates(HEAD_DIM, torch.bfloat16):
+    for name in candidates(HEAD_DIM, torch.bfloat16, probe_fa4=True):
         attn = make_backend(name, dev, torch.bfloat16)
         for shape in args.shapes:
             seqs, length = map(int, shape.split("x"))

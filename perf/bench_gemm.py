@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="projections to run (qkv o gate_up down)")
     p.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="token counts (rows) to time")
     p.add_argument("--out", default="perf/out/gemm.json")
-    p.add_argument("--write-tiles", default=None, help="write the chosen table as JSON (PERGOLA_TRITON_TILES)")
+    p.add_argument("--write-tiles", default=None, help="write the chosen table as JSON (pergola serve --matmul FILE)")
     args = p.parse_args()
     torch.manual_seed(0)
     results, table = {}, {}

@@ -62,7 +62,7 @@ def main() -> None:
     dev = torch.device("cuda")
     causal = bool(args.causal)
     results: dict[str, dict[str, float]] = {}
-    backends = {name: make_backend(name, dev, torch.bfloat16) for name in candidates(HEAD_DIM, torch.bfloat16)}
+    backends = {name: make_backend(name, dev, torch.bfloat16) for name in candidates(HEAD_DIM, torch.bfloat16, probe_fa4=True)}
     for shape in args.shapes:
         seqs, length = map(int, shape.split("x"))
         t = seqs * length

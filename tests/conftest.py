@@ -18,7 +18,9 @@ import pytest
 from pergola.cli import default_model_folder
 
 TEST_DEVICE = os.environ.get("PERGOLA_TEST_DEVICE", "cpu")
-MAX_TEXTS = 64  # the server under test refuses larger requests (the error test needs a limit)
+MAX_TEXTS = 64  # the server under test refuses larger requests (the error tests need limits)
+MAX_TEXT_CHARS = 20_000
+MAX_REQUEST_CHARS = 200_000
 
 # Texts that stress tokenization and pooling: long (truncated at 256 tokens), multilingual,
 # emoji, whitespace-only, code, mixed case and punctuation.
@@ -105,10 +107,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank
     from pergola.server import ServerOptions, free_port, start, wait_ready
 
     root = tmp_path_factory.mktemp("triton")
-    entries = [entry_from_folder(minilm_folder, "minilm", max_texts=MAX_TEXTS),
-               entry_from_folder(rerank_folders["cross-encoder"], "ce", max_texts=MAX_TEXTS)]
+    limits = dict(max_texts=MAX_TEXTS, max_documents=MAX_TEXTS, max_text_chars=MAX_TEXT_CHARS,
+                  max_request_chars=MAX_REQUEST_CHARS)
+    entries = [entry_from_folder(minilm_folder, "minilm", **limits),
+               entry_from_folder(rerank_folders["cross-encoder"], "ce", **limits)]
     if "qwen3-reranker" in rerank_folders:
-        entries.append(entry_from_folder(rerank_folders["qwen3-reranker"], "qr", task="rerank", max_texts=MAX_TEXTS))
+        entries.append(entry_from_folder(rerank_folders["qwen3-reranker"], "qr", task="rerank", **limits))
     repo = build_repository(root / "model_repository", entries, gpu=TEST_DEVICE == "gpu")
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     log = root / "tritonserver.log"

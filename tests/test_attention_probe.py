@@ -76,7 +76,6 @@ def test_flashinfer_not_ready_without_the_package(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "flashinfer.jit.attention", None)
-    monkeypatch.setattr(ap, "fa4_ready", lambda: False)
     # as on a machine without CUDA, so pergola's Triton kernel is out too (its gating:
     # tests/test_triton_attention.py); only PyTorch's FA2 is left
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -84,11 +83,11 @@ def test_flashinfer_not_ready_without_the_package(monkeypatch):
 
 
 @pytest.mark.parametrize("opt_in,major,importable,expected", [
-    ("1", 9, True, True),     # Hopper, installed, asked for
-    ("1", 10, True, True),    # Blackwell
-    ("", 9, True, False),     # not asked for: its JIT compile stays out of start-up
-    ("1", 8, True, False),    # Ampere: not a supported GPU
-    ("1", 9, False, False),   # not installed
+    (True, 9, True, True),     # Hopper, installed, asked for
+    (True, 10, True, True),    # Blackwell
+    (False, 9, True, False),   # not asked for: its JIT compile stays out of start-up
+    (True, 8, True, False),    # Ampere: not a supported GPU
+    (True, 9, False, False),   # not installed
 ])
 def test_fa4_candidate_gating(monkeypatch, opt_in, major, importable, expected):
     import sys
@@ -96,12 +95,11 @@ def test_fa4_candidate_gating(monkeypatch, opt_in, major, importable, expected):
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setitem(sys.modules, "flashinfer.jit.attention", None)
-    monkeypatch.setenv("PERGOLA_PROBE_FA4", opt_in)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, 0))
     fake = types.ModuleType("flash_attn.cute") if importable else None
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn") if importable else None)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", fake)
-    names = ap.candidates(128, torch.bfloat16)
+    names = ap.candidates(128, torch.bfloat16, probe_fa4=opt_in)
     assert ("flash_attn4" in names) == expected
     assert names[0] == "torch_flash"
 

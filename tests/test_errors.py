@@ -7,7 +7,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import MAX_TEXTS, TEXTS
+from conftest import MAX_REQUEST_CHARS, MAX_TEXT_CHARS, MAX_TEXTS, TEXTS
 
 
 def infer_raw(server, inputs: list[tuple[str, np.ndarray, str]], model: str = "embed"):
@@ -129,3 +129,87 @@ def test_cpu_instances_leave_a_core_to_triton(tmp_path, monkeypatch, cores, expe
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig(model_dir=str(tmp_path), cpu_threads=-1)
+
+
+IDS = np.array([[101, 7592, 2088, 102]], dtype=np.int64)  # [CLS] hello world [SEP]
+ENCODER_CASES = {
+    # PROMPT_LENGTHS equal to the length used to pool over no tokens: an all-zero vector, status OK.
+    "prompt covers the text": ([("PROMPT_LENGTHS", np.array([[4]], np.int32), "INT32")],
+                               r"PROMPT_LENGTHS\[0\] is 4 for a sequence of 4 tokens"),
+    "prompt longer than the text": ([("PROMPT_LENGTHS", np.array([[9]], np.int32), "INT32")], r"PROMPT_LENGTHS\[0\] is 9"),
+    "negative prompt": ([("PROMPT_LENGTHS", np.array([[-1]], np.int32), "INT32")], r"PROMPT_LENGTHS\[0\] is -1"),
+    "prompt count": ([("PROMPT_LENGTHS", np.array([[0, 1]], np.int32), "INT32")],
+                     "PROMPT_LENGTHS has 2 values for 1 sequences"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENCODER_CASES))
+def test_inconsistent_pretokenized_fields_are_refused(server, case):
+    extra, message = ENCODER_CASES[case]
+    base = [("INPUT_IDS", IDS, "INT64"), ("LENGTHS", np.array([[4]], np.int32), "INT32")]
+    with pytest.raises(InferenceServerException, match=message) as err:
+        infer_raw(server, base + extra, model="minilm_encoder")
+    assert "INVALID_ARG" in str(err.value)
+    good = infer_raw(server, base + [("PROMPT_LENGTHS", np.array([[1]], np.int32), "INT32")], model="minilm_encoder")
+    assert np.abs(good.as_numpy("EMBEDDING")).sum() > 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([("TOKEN_TYPE_IDS", np.array([[0, 0, 2, 1]], np.int64), "INT64")], r"TOKEN_TYPE_IDS must lie in \[0, 2\)"),
+    ([("TOKEN_TYPE_IDS", np.array([[0, 1]], np.int64), "INT64")], "TOKEN_TYPE_IDS has 2 values for 4 tokens"),
+    ([("TOP_N", np.array([[-2]], np.int32), "INT32")], "TOP_N=-2 must be positive"),
+])
+def test_reranker_encoder_fields_are_checked(server, extra, message):
+    """An out-of-range token type would index past the embedding table (a device-side assert on
+    a GPU, which ends the stub); a negative TOP_N silently dropped the best documents."""
+    base = [("INPUT_IDS", IDS, "INT64"), ("LENGTHS", np.array([[4]], np.int32), "INT32")]
+    with pytest.raises(InferenceServerException, match=message):
+        infer_raw(server, base + extra, model="ce_encoder")
+    assert infer_raw(server, base, model="ce_encoder").as_numpy("SCORE").shape == (1,)
+
+
+def test_a_missing_required_input_is_named(server):
+    with pytest.raises(InferenceServerException, match="input TEXT is required") as err:
+        infer_raw(server, [("PROMPT_NAME", text_array(["query"]), "BYTES")])
+    assert "INVALID_ARG" in str(err.value) and "deadlock" not in str(err.value)
+    with pytest.raises(InferenceServerException, match="input DOCUMENTS is required"):
+        infer_raw(server, [("QUERY", text_array(["q"]), "BYTES")], model="rerank")
+
+
+@pytest.mark.parametrize("name", ["PROMPT_NAME", "ENCODING"])
+def test_long_option_values_get_a_short_invalid_argument_over_grpc(server, name):
+    """An error message that echoed an 8 KB value overflowed gRPC's header limit (RESOURCE_EXHAUSTED)."""
+    with pytest.raises(InferenceServerException) as err:
+        infer_raw(server, [("TEXT", text_array(["a"]), "BYTES"), (name, text_array(["x" * 8192]), "BYTES")])
+    assert "INVALID_ARGUMENT" in str(err.value) and f"{name} is 8,192 bytes" in str(err.value)
+    assert len(str(err.value)) < 500
+
+
+def test_errors_do_not_echo_large_input_over_http(server):
+    """(3 MB: Triton 2.51's HTTP server itself crashes on JSON bodies over ~4 MiB, Triton issue
+    #5840; `pergola serve` restarts it, tests/test_hardening.py.)"""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["a"]},
+                       {"name": "PROMPT_NAME", "shape": [1], "datatype": "BYTES", "data": ["p" * 3_000_000]}]}
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/embed/infer", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400
+    assert len(err.value.read()) < 500
+
+
+@pytest.mark.parametrize("texts,message", [
+    (["x" * (MAX_TEXT_CHARS + 1)], rf"TEXT\[0\] is {MAX_TEXT_CHARS + 1:,} characters; the limit is "
+                                   rf"{MAX_TEXT_CHARS:,} characters \(max_text_chars, `pergola serve --max-text-chars`\)"),
+    (["x" * 4 * (MAX_TEXT_CHARS + 1)], rf"TEXT\[0\] is {4 * (MAX_TEXT_CHARS + 1):,} bytes"),
+    (["y" * (MAX_TEXT_CHARS // 2)] * (2 * MAX_REQUEST_CHARS // MAX_TEXT_CHARS + 1),
+     r"the limit is [0-9,]+ characters \(max_request_chars"),
+])
+def test_size_limits_are_checked_before_tokenization(server, texts, message):
+    with pytest.raises(InferenceServerException, match=message) as err:
+        infer_raw(server, [("TEXT", text_array(texts), "BYTES")])
+    assert "INVALID_ARG" in str(err.value)
+    assert len(str(err.value)) < 500

@@ -20,6 +20,9 @@ import pytest
 
 from conftest import TEXTS, ServeProcess, cosine_rows, start_serve
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+import fuzz_server  # noqa: E402
+
 EVIL_MODEL = """
 import pathlib
 class TritonPythonModel:
@@ -216,6 +219,63 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
     assert len(good) > 10
     for out in good:
         assert cosine_rows(out, reference[:2]).min() >= 0.9999
+
+
+def tritonserver_pid(repo: Path) -> int:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args[0].endswith(b"tritonserver") and f"--model-repository={repo}".encode() in args:
+            return int(cmdline.parent.name)
+    raise AssertionError("no tritonserver serves this repository")
+
+
+def wait_for_service(served: ServeProcess, reference: np.ndarray, since: float, timeout: float = 60) -> float:
+    """Seconds from `since` until a correct answer comes back (readiness must go false first)."""
+    from pergola_client import PergolaClient
+
+    saw_not_ready = False
+    while time.monotonic() - since < timeout:
+        saw_not_ready |= not ready(served)
+        if saw_not_ready:
+            try:
+                with PergolaClient(f"127.0.0.1:{served.grpc}", timeout_s=10) as client:
+                    out = client.embed(TEXTS[:2])
+                assert cosine_rows(out, reference[:2]).min() >= 0.9999
+                return time.monotonic() - since
+            except Exception:  # noqa: BLE001 - still restarting
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"not recovered (saw not-ready: {saw_not_ready}):\n{served.log_tail()}")
+
+
+def test_recovery_when_tritonserver_itself_crashes(served, reference):
+    """The server process dying (OOM killer, a crash) is recovered like a dead stub."""
+    pid = tritonserver_pid(served.repo)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    took = wait_for_service(served, reference, killed_at)
+    assert tritonserver_pid(served.repo) != pid
+    assert took <= 15.0, took
+
+
+@pytest.mark.parametrize("case", sorted(fuzz_server.TRITON_CRASHES))
+def test_recovery_after_a_request_that_crashes_triton(served, reference, case):
+    """Single anonymous HTTP requests that end Triton 2.51's process (a JSON body over ~4 MiB,
+    Triton issue #5840; a JSON numeric input claiming 2^40 elements, which Triton tries to
+    allocate): they used to take the server down for good. The supervisor sees the fatal signal
+    in Triton's output (its crash handler may hang instead of exiting) and restarts it."""
+    path, body = fuzz_server.TRITON_CRASHES[case]
+    sent_at = time.monotonic()
+    try:
+        status, _ = http_call(served, "POST", path.format(name="mini"), json.loads(body))
+        assert status == 400  # a fixed Triton refuses it
+    except OSError:  # the connection dropped: the server crashed
+        took = wait_for_service(served, reference, sent_at)
+        assert took <= 20.0, took
+    assert ready(served)
 
 
 def test_shutdown_is_clean_and_quick(served):

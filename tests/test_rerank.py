@@ -30,7 +30,7 @@ DOCS = [
 MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else 1e-2
 
 
-def engine_scores(folder, task: str, query: str, docs: list[str]) -> np.ndarray:
+def engine_scores(folder, task: str | None, query: str, docs: list[str]) -> np.ndarray:
     eng = Engine(EngineConfig(model_dir=str(folder), task=task))
     enc = RerankTokenizer(eng.spec, eng.spec.reranker_kind).encode(query, docs)
     return eng.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0][:, 0]
@@ -66,9 +66,9 @@ def qwen3_reranker_reference(folder, query: str, docs: list[str]) -> np.ndarray:
 
 def test_cross_encoder_matches_sentence_transformers(rerank_folders):
     folder = rerank_folders["cross-encoder"]
-    ours = engine_scores(folder, "", QUERY, DOCS)
+    ours = engine_scores(folder, None, QUERY, DOCS)
     np.testing.assert_allclose(ours, cross_encoder_reference(folder, QUERY, DOCS), atol=1e-4, rtol=0)
-    singles = np.array([engine_scores(folder, "", QUERY, [d])[0] for d in DOCS])
+    singles = np.array([engine_scores(folder, None, QUERY, [d])[0] for d in DOCS])
     np.testing.assert_allclose(ours, singles, atol=1e-5, rtol=0)
 
 
@@ -86,7 +86,7 @@ def test_server_scores_in_input_order(server, rerank_folders, model):
 
     if model == "qr" and "qwen3-reranker" not in rerank_folders:
         pytest.skip("the real Qwen3 tokenizer is not available")
-    folder, task = (rerank_folders["cross-encoder"], "") if model == "rerank" else (rerank_folders["qwen3-reranker"], "rerank")
+    folder, task = (rerank_folders["cross-encoder"], None) if model == "rerank" else (rerank_folders["qwen3-reranker"], "rerank")
     expected = engine_scores(folder, task, QUERY, DOCS)
     with PergolaClient(server.grpc_url) as client:
         result = client.rerank(QUERY, DOCS, model=model)

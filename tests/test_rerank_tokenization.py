@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import TEXTS
+from pergola.config import EngineConfig
 from pergola.errors import RequestError
 from pergola.hf_folder import load_model_spec
 from pergola.rerank import (
@@ -50,14 +51,19 @@ def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(f"the real Qwen3 tokenizer is not available: {e}")
 
 
+def sixteen(folder: Path) -> EngineConfig:
+    """Limits of a server that takes at most 16 documents per request."""
+    return EngineConfig(model_dir=str(folder), max_documents=16)
+
+
 @pytest.fixture(scope="module")
 def ce_tok(ce_folder: Path) -> RerankTokenizer:
-    return RerankTokenizer(load_model_spec(ce_folder), "cross-encoder", max_documents=16)
+    return RerankTokenizer(load_model_spec(ce_folder), "cross-encoder", sixteen(ce_folder))
 
 
 @pytest.fixture(scope="module")
 def qwen_tok(qwen_folder: Path) -> RerankTokenizer:
-    return RerankTokenizer(load_model_spec(qwen_folder, task="rerank"), "qwen3-reranker", max_documents=16)
+    return RerankTokenizer(load_model_spec(qwen_folder, task="rerank"), "qwen3-reranker", sixteen(qwen_folder))
 
 
 _QWEN_TOKENIZERS: dict[tuple, RerankTokenizer] = {}  # loading the 151k vocabulary takes ~1 s
@@ -67,7 +73,7 @@ def qwen_tokenizer(folder: Path, max_length: int, instruction: str | None = None
     key = (folder, max_length, instruction)
     if key not in _QWEN_TOKENIZERS:
         spec = load_model_spec(folder, task="rerank")
-        _QWEN_TOKENIZERS[key] = RerankTokenizer(spec, "qwen3-reranker", max_documents=16,
+        _QWEN_TOKENIZERS[key] = RerankTokenizer(spec, "qwen3-reranker", sixteen(folder),
                                                 instruction=instruction, max_length=max_length)
     return _QWEN_TOKENIZERS[key]
 
@@ -92,7 +98,7 @@ def hf_qwen_tokenizer(qwen_folder: Path):
 @pytest.mark.parametrize("max_length", [512, 24])
 @pytest.mark.parametrize("query", QUERIES)
 def test_cross_encoder_matches_transformers(ce_folder, hf_ce_tokenizer, query, max_length):
-    tok = RerankTokenizer(load_model_spec(ce_folder), "cross-encoder", max_documents=16, max_length=max_length)
+    tok = RerankTokenizer(load_model_spec(ce_folder), "cross-encoder", sixteen(ce_folder), max_length=max_length)
     enc = tok.encode(query, DOCUMENTS)
     ref = hf_ce_tokenizer([query] * len(DOCUMENTS), DOCUMENTS, truncation="only_second", max_length=max_length)
     assert split(enc) == ref["input_ids"]
@@ -179,9 +185,9 @@ def test_qwen3_untruncated_limit(qwen_folder):
 
 ERRORS = [
     (QUERY, [], r"DOCUMENTS is empty; send at least one document"),
-    ("", ["doc"], r"QUERY is an empty string"),
+    ("", ["doc"], r"QUERY is an empty string; every query needs content"),
     (QUERY, ["doc", ""], r"DOCUMENTS\[1\] is an empty string; every document needs content"),
-    (QUERY, ["doc"] * 17, r"17 documents in one request; the limit is 16: split"),
+    (QUERY, ["doc"] * 17, r"17 documents in one request; the limit is 16 \(max_documents\): split"),
 ]
 
 
@@ -196,13 +202,29 @@ def test_request_errors(request, kind, query, docs, message):
 
 @pytest.mark.parametrize("kind", ["cross-encoder", "qwen3-reranker"])
 def test_query_too_long(request, kind):
-    tok = request.getfixturevalue("ce_tok" if kind == "cross-encoder" else "qwen_tok")
+    folder = request.getfixturevalue("ce_folder" if kind == "cross-encoder" else "qwen_folder")
+    tok = RerankTokenizer(load_model_spec(folder, task="rerank"), kind,
+                          EngineConfig(model_dir=str(folder), max_query_chars=100_000))
     words = 600 if kind == "cross-encoder" else 9000
     query = "capital " * words
     for truncate in (True, False):
         with pytest.raises(RequestError, match=r"QUERY is too long: .* leaving no room for the document; "
                                                r"shorten the query"):
             tok.encode(query, ["doc"], truncate=truncate)
+
+
+@pytest.mark.parametrize("query,docs,message", [
+    ("q" * 33, ["doc"], r"QUERY is 33 characters; the limit is 32 characters \(max_query_chars"),
+    ("q", ["d" * 65], r"DOCUMENTS\[0\] is 65 characters; the limit is 64 characters \(max_text_chars"),
+    ("q" * 30, ["d" * 60, "d" * 60], r"this request's text is 150 characters; the limit is 128 characters "
+                                      r"\(max_request_chars"),
+    ("q", ["d" * 300], r"DOCUMENTS\[0\] is 300 bytes; the limit is 64 characters"),  # refused undecoded
+])
+def test_character_limits_are_checked_before_tokenization(ce_folder, query, docs, message):
+    config = EngineConfig(model_dir=str(ce_folder), max_query_chars=32, max_text_chars=64, max_request_chars=128)
+    tok = RerankTokenizer(load_model_spec(ce_folder), "cross-encoder", config)
+    with pytest.raises(RequestError, match=message):
+        tok.encode(query, [d.encode() for d in docs])
 
 
 def test_query_at_the_edge_of_the_limit(ce_folder, hf_ce_tokenizer):
@@ -254,3 +276,25 @@ def test_qwen3_reranker_folder_loads(qwen_folder, qwen_tok):
     assert torch.isfinite(pair).all()
     spec = load_model_spec(qwen_folder, task="rerank")
     assert spec.architecture == "qwen3" and spec.causal
+
+
+@pytest.mark.parametrize("kind", ["cross-encoder", "qwen3-reranker"])
+@pytest.mark.parametrize("document", [
+    "The quick brown fox jumps over the lazy dog. " * 20_000,
+    "北京是中华人民共和国的首都也是全国的政治和文化中心" * 20_000,
+    "z" * 500_000,
+])
+def test_long_documents_are_cut_before_tokenization_with_the_same_ids(request, monkeypatch, kind, document):
+    """Only a covering prefix of a long document is tokenized; the pair ids equal those of the
+    whole document tokenized and cut (the reference: the same tokenizer with prefixes off)."""
+    import pergola.rerank as rerank
+
+    folder = request.getfixturevalue("ce_folder" if kind == "cross-encoder" else "qwen_folder")
+    tok = RerankTokenizer(load_model_spec(folder, task="rerank"), kind,
+                          EngineConfig(model_dir=str(folder), max_text_chars=2_000_000, max_request_chars=4_000_000))
+    ours = tok.encode(QUERY, [document, "short one"])
+    monkeypatch.setattr(rerank, "covering_prefix", lambda whole, text, tokens: text)
+    whole = tok.encode(QUERY, [document, "short one"])
+    assert ours.input_ids.tolist() == whole.input_ids.tolist()
+    assert ours.lengths.tolist() == whole.lengths.tolist()
+    assert ours.token_type_ids.tolist() == whole.token_type_ids.tolist()

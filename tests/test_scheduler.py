@@ -1,37 +1,78 @@
-"""Token-budget FCFS packing (no torch)."""
+"""Token-budget packing of queued requests (no torch)."""
 
-from pergola.engine.scheduler import TokenBudgetScheduler
+from pergola.engine.scheduler import WorkQueue
 
 
-def test_packs_in_arrival_order_under_the_budget():
-    s = TokenBudgetScheduler(max_batch_tokens=100, max_batch_seqs=8)
-    s.add(0, [30, 30, 30])
-    s.add(1, [50])
-    steps = list(s.steps())
-    assert [[(q.request, q.index) for q in st.seqs] for st in steps] == [[(0, 0), (0, 1), (0, 2)], [(1, 0)]]
-    assert [st.num_tokens for st in steps] == [90, 50]
+def packed(q: WorkQueue) -> list[list[tuple]]:
+    return [[(s.request, s.index) for s in st.seqs] for st in q.steps()]
+
+
+def test_the_request_with_least_work_left_goes_first():
+    q = WorkQueue(max_batch_tokens=100, max_batch_seqs=8)
+    q.add("bulk", [30, 30, 30])
+    q.add("query", [50])
+    assert packed(q) == [[("query", 0), ("bulk", 0)], [("bulk", 1), ("bulk", 2)]]
+
+
+def test_a_query_arriving_mid_request_takes_the_next_step():
+    q = WorkQueue(max_batch_tokens=64, max_batch_seqs=8)
+    q.add("bulk", [32] * 8)
+    first = q.next_step()
+    assert [s.request for s in first.seqs] == ["bulk", "bulk"]
+    q.add("query", [16])  # arrives while the bulk request is being encoded
+    second = q.next_step()
+    assert [(s.request, s.index) for s in second.seqs] == [("query", 0), ("bulk", 2)]
+
+
+def test_equal_bulk_requests_finish_in_arrival_order():
+    q = WorkQueue(max_batch_tokens=64, max_batch_seqs=8)
+    q.add("a", [32] * 4)
+    q.next_step()  # a begins: it now has less left than b
+    q.add("b", [32] * 4)
+    order = [s.request for st in q.steps() for s in st.seqs]
+    assert order == ["a", "a", "b", "b", "b", "b"]
 
 
 def test_stops_at_first_sequence_that_does_not_fit():
-    s = TokenBudgetScheduler(max_batch_tokens=100, max_batch_seqs=8)
-    s.add(0, [60, 50, 10])
-    steps = list(s.steps())
-    # strict FCFS: the 10-token sequence does not jump ahead of the 50-token one
-    assert [[q.length for q in st.seqs] for st in steps] == [[60], [50, 10]]
+    q = WorkQueue(max_batch_tokens=100, max_batch_seqs=8)
+    q.add(0, [60, 50, 10])
+    # within a request, strict order: the 10-token sequence does not jump ahead of the 50-token one
+    assert [[s.length for s in st.seqs] for st in q.steps()] == [[60], [50, 10]]
 
 
 def test_large_request_is_split_and_offsets_are_kept():
-    s = TokenBudgetScheduler(max_batch_tokens=64, max_batch_seqs=4)
-    s.add(0, [10] * 10)
-    steps = list(s.steps())
+    q = WorkQueue(max_batch_tokens=64, max_batch_seqs=4)
+    q.add(0, [10] * 10)
+    steps = list(q.steps())
     assert [len(st.seqs) for st in steps] == [4, 4, 2]  # the sequence cap binds first
-    seqs = [q for st in steps for q in st.seqs]
-    assert [q.start for q in seqs] == list(range(0, 100, 10))
-    assert [q.index for q in seqs] == list(range(10))
+    seqs = [s for st in steps for s in st.seqs]
+    assert [s.start for s in seqs] == list(range(0, 100, 10))
+    assert [s.index for s in seqs] == list(range(10))
 
 
 def test_oversized_sequence_runs_alone():
-    s = TokenBudgetScheduler(max_batch_tokens=16, max_batch_seqs=4)
-    s.add(0, [5, 40, 5])
-    assert [[q.length for q in st.seqs] for st in s.steps()] == [[5], [40], [5]]
-    assert len(s) == 0 and s.next_step() is None
+    q = WorkQueue(max_batch_tokens=16, max_batch_seqs=4)
+    q.add(0, [5, 40, 5])
+    assert [[s.length for s in st.seqs] for st in q.steps()] == [[5], [40], [5]]
+    assert not q and q.next_step() is None
+
+
+def test_queued_tokens_and_removal():
+    q = WorkQueue(max_batch_tokens=64, max_batch_seqs=8)
+    q.add("a", [40, 40])
+    q.add("b", [10])
+    assert q.queued_tokens == 90
+    q.next_step()  # b (10) and a's first (40)
+    assert q.queued_tokens == 40
+    q.remove("a")  # cancelled: its unscheduled sequence is dropped
+    assert q.queued_tokens == 0 and not q
+    q.remove("a")  # twice is harmless
+
+
+def test_a_key_is_queued_once():
+    import pytest
+
+    q = WorkQueue(max_batch_tokens=64, max_batch_seqs=8)
+    q.add("a", [4])
+    with pytest.raises(KeyError):
+        q.add("a", [4])

@@ -57,7 +57,6 @@ def test_triton_kernel_is_a_probe_candidate_only_with_a_gpu(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # keep FlashInfer out of the list
     monkeypatch.setitem(sys.modules, "flashinfer.jit.attention", None)
-    monkeypatch.delenv("PERGOLA_PROBE_FA4", raising=False)  # and FlashAttention-4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert candidates(128, torch.bfloat16) == ["torch_flash"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

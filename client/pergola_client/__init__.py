@@ -44,7 +44,8 @@ class PergolaClient:
         self.protocol = protocol
         self.model = model
         self._tc = _protocol_module(protocol)
-        self._client = self._tc.InferenceServerClient(url or DEFAULT_URLS[protocol])
+        kwargs = {"network_timeout": timeout_s} if timeout_s and protocol == "http" else {}
+        self._client = self._tc.InferenceServerClient(url or DEFAULT_URLS[protocol], **kwargs)
         self._timeout = timeout_s
 
     def _input(self, name: str, array: np.ndarray, datatype: str) -> Any:
@@ -53,8 +54,15 @@ class PergolaClient:
         return tensor
 
     def _infer(self, model: str, inputs: list[Any], outputs: list[str]) -> Any:
+        """With `timeout_s`, the server is told too (Triton's per-request `timeout`, µs): the
+        encoder refuses work it cannot finish in time and drops it once the time has passed,
+        instead of computing answers nobody waits for."""
         requested = [self._tc.InferRequestedOutput(n) for n in outputs]
-        kwargs = {"client_timeout": self._timeout} if self._timeout and self.protocol == "grpc" else {}
+        kwargs: dict[str, Any] = {}
+        if self._timeout:
+            kwargs["timeout"] = int(self._timeout * 1e6)
+            if self.protocol == "grpc":
+                kwargs["client_timeout"] = self._timeout
         return self._client.infer(model, inputs, outputs=requested, **kwargs)
 
     def _encoding(self, encoding: str, shape: list[int]) -> tuple[list[Any], str, type]:

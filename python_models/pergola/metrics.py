@@ -9,7 +9,7 @@
 Tokens per step is pergola_tokens_total / pergola_steps_total; queue wait is Triton's own
 nv_inference_queue_duration_us.
 
-Counters reach Triton at most once per PERGOLA_METRICS_FLUSH_S seconds (default 1; 0 = after
+Counters reach Triton at most once per `metrics_flush_s` seconds (default 1; 0 = after
 every execute), and a quiet second after the last request flushes the rest. Why: each update is
 a round trip from the stub to the server process, and the four of them took 205 µs (p50) of
 every execute on a 2-core machine, inside the request's latency (16 µs batched); Prometheus
@@ -18,7 +18,6 @@ scrapes every 1-15 s anyway.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
@@ -30,8 +29,8 @@ MODES = ("eager", "warmup", "capture", "replay")
 
 class EncoderMetrics:
     def __init__(self, pb_utils: Any, model: str, attention: dict[str, str],
-                 flush_s: float | None = None) -> None:
-        self.flush_s = float(os.environ.get("PERGOLA_METRICS_FLUSH_S", "1")) if flush_s is None else flush_s
+                 flush_s: float = 1.0) -> None:
+        self.flush_s = flush_s
         family = pb_utils.MetricFamily
         # Families must outlive their metrics (Triton refuses updates otherwise): keep them.
         self._families = {

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from string import Template
 
-from pergola.config import EngineConfig
+from pergola.config import EngineConfig, TritonModelOptions
 from pergola.hf_folder import load_model_spec
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -31,11 +31,7 @@ GENERIC_FOLDER_NAMES = {"model", "hf", "weights", "snapshot"}
 class ModelEntry:
     name: str
     config: EngineConfig
-    tokenizer_instances: int = 2
-    max_batch_requests: int = 64
-    max_queue_size: int = 256  # encoder requests waiting; more are refused at once (UNAVAILABLE)
-    queue_timeout_ms: int = 0  # refuse requests that waited longer (0: no limit)
-    settings: dict[str, str] = field(default_factory=dict)
+    triton: TritonModelOptions = field(default_factory=TritonModelOptions)
 
 
 def model_name_for(folder: str | Path) -> str:
@@ -96,10 +92,11 @@ def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
     for part, template, adapter in (("tokenizer", tok_template, tok_adapter), ("encoder", enc_template, "encoder")):
         mdir = repo / f"{name}_{part}"
         mdir.mkdir(parents=True, exist_ok=True)
+        triton = entry.triton
         (mdir / "config.pbtxt").write_text(_render(
             template, name=name, parameters=block, instance_kind=instance_kind,
-            tokenizer_instances=entry.tokenizer_instances, max_batch_requests=entry.max_batch_requests,
-            max_queue_size=entry.max_queue_size, queue_timeout_us=entry.queue_timeout_ms * 1000,
+            tokenizer_instances=triton.tokenizer_instances, max_batch_requests=triton.max_batch_requests,
+            max_queue_size=triton.max_queue_size, queue_timeout_us=triton.queue_timeout_ms * 1000,
         ))
         _write_version(mdir, adapter, spec.path)
     write_ensemble(repo, name, name, ens_template)
@@ -160,11 +157,14 @@ def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, cle
     return repo
 
 
-def entry_from_folder(folder: str | Path, name: str | None = None, max_queue_size: int = 256,
-                      queue_timeout_ms: int = 0, **settings: object) -> ModelEntry:
-    """A model of the repository: `settings` are EngineConfig fields, the rest Triton's."""
+def entry_from_folder(folder: str | Path, name: str | None = None, **settings: object) -> ModelEntry:
+    """A model of the repository; `settings` are EngineConfig or TritonModelOptions fields."""
     load_model_spec(folder)  # validate early
+    triton_names = {f.name for f in fields(TritonModelOptions)}
+    unknown = set(settings) - triton_names - {f.name for f in fields(EngineConfig)}
+    if unknown:
+        raise TypeError(f"unknown settings {sorted(unknown)}")
     cfg = EngineConfig(model_dir=str(Path(folder).expanduser().resolve()),
-                       **{k: v for k, v in settings.items() if v is not None})
-    return ModelEntry(name=name or model_name_for(folder), config=cfg, max_queue_size=max_queue_size,
-                      queue_timeout_ms=queue_timeout_ms)
+                       **{k: v for k, v in settings.items() if k not in triton_names})
+    triton = TritonModelOptions(**{k: v for k, v in settings.items() if k in triton_names})
+    return ModelEntry(name=name or model_name_for(folder), config=cfg, triton=triton)

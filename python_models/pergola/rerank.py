@@ -27,8 +27,10 @@ from typing import Literal
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.errors import RequestError, check_strings
+from pergola.config import EngineConfig
+from pergola.errors import RequestError, read_strings
 from pergola.hf_folder import ModelFolderError, ModelSpec
+from pergola.tokenization import CHARS_PER_TOKEN, covering_prefix
 
 RerankKind = Literal["cross-encoder", "qwen3-reranker"]
 RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker")
@@ -61,21 +63,22 @@ class RerankTokenizer:
         self,
         spec: ModelSpec,
         kind: RerankKind,
-        max_documents: int = 1024,
+        config: EngineConfig | None = None,
         instruction: str | None = None,
         max_length: int | None = None,
     ) -> None:
-        """max_length: tokens per pair (prompt included). Default: the folder's max_seq_length,
-        and for qwen3-reranker at most 8192, as in the official reference."""
+        """config: the request limits (max_documents, max_text_chars, max_query_chars,
+        max_request_chars; default EngineConfig's). max_length: tokens per pair (prompt included).
+        Default: the folder's max_seq_length, and for qwen3-reranker at most 8192, as in the
+        official reference."""
         if kind not in RERANK_KINDS:
             raise ValueError(f"kind must be one of {RERANK_KINDS}, got {kind!r}")
-        if max_documents < 1:
-            raise ValueError(f"max_documents must be at least 1, got {max_documents}")
         if kind == "cross-encoder" and instruction is not None:
             raise ValueError("an instruction only applies to kind 'qwen3-reranker'")
         self.spec = spec
         self.kind = kind
-        self.max_documents = max_documents
+        config = config or EngineConfig(model_dir=str(spec.path))
+        self.limits, self.query_limits = config.document_limits(), config.query_limits()
         if max_length is None:
             max_length = spec.max_seq_length
             if kind == "qwen3-reranker":
@@ -111,10 +114,10 @@ class RerankTokenizer:
                     f"{spec.path}: the tokenizer has no 'yes'/'no' tokens; is this a Qwen3 reranker?")
             self.yes_id, self.no_id = int(yes), int(no)
 
-    def check_request(self, query: str, documents: list[str]) -> None:
-        check_strings(documents, "DOCUMENTS", "document", self.max_documents)
-        if not query:
-            raise RequestError("QUERY is an empty string; send the query to rank the documents against")
+    def read_request(self, query: str | bytes, documents: list[str | bytes]) -> tuple[str, list[str]]:
+        """The query and documents decoded and checked against the limits, before any tokenization."""
+        [query] = read_strings([query], "QUERY", "query", self.query_limits)
+        return query, read_strings(documents, "DOCUMENTS", "document", self.limits, used_chars=len(query))
 
     def _query_too_long(self, used: int, room: int) -> RequestError:
         what = "the instruction and query take" if self.kind == "qwen3-reranker" else "the query takes"
@@ -129,8 +132,8 @@ class RerankTokenizer:
             "shorten the document or allow truncation (TRUNCATE=true)"
         )
 
-    def encode(self, query: str, documents: list[str], truncate: bool = True) -> RerankEncoded:
-        self.check_request(query, documents)
+    def encode(self, query: str | bytes, documents: list[str | bytes], truncate: bool = True) -> RerankEncoded:
+        query, documents = self.read_request(query, documents)
         if self.kind == "cross-encoder":
             return self._encode_cross_encoder(query, documents, truncate)
         return self._encode_qwen3(query, documents, truncate)
@@ -140,6 +143,11 @@ class RerankTokenizer:
         if query_len + self._pair_specials + 1 > self.max_length:  # not even one document token fits
             raise self._query_too_long(query_len + self._pair_specials, self.max_length)
         tokenizer = self._truncating if truncate else self._whole
+        # A document far over the limit: only a prefix covering its kept tokens (+1 to tell "too
+        # long" apart) is tokenized; the pair template tokenizes query and document separately.
+        keep = self.max_length + 1
+        documents = [covering_prefix(self._whole, d, keep) if len(d) > keep * CHARS_PER_TOKEN else d
+                     for d in documents]
         encodings = tokenizer.encode_batch([(query, doc) for doc in documents], add_special_tokens=True)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
         if not truncate:
@@ -158,7 +166,9 @@ class RerankTokenizer:
         head_len = len(self._whole.encode(head, add_special_tokens=False).ids)
         if head_len + 1 > self.body_budget:
             raise self._query_too_long(head_len + len(self.prefix_ids) + len(self.suffix_ids), self.max_length)
+        keep = self.body_budget + 1  # the body is cut from the right: its head, then the document
         bodies = [qwen3_reranker_body(self.instruction, query, doc) for doc in documents]
+        bodies = [covering_prefix(self._whole, b, keep) if len(b) > keep * CHARS_PER_TOKEN else b for b in bodies]
         tokenizer = self._truncating if truncate else self._whole
         encodings = tokenizer.encode_batch(bodies, add_special_tokens=True)
         extra = len(self.prefix_ids) + len(self.suffix_ids)

@@ -9,6 +9,7 @@ first `python3` it finds, whose numpy must be 1.x (the stub reads tensors wrongl
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -16,11 +17,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pergola.admin import redact, restricted_api_flags
+from pergola.options import option
 
 DEFAULT_CACHE = Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
 
@@ -93,14 +96,22 @@ class TritonInstall:
 
 @dataclass
 class ServerOptions:
+    """How tritonserver runs; the declared options are `pergola serve` flags (pergola.options)."""
+
     repo: Path
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    bind: str = "0.0.0.0"  # address of the HTTP, gRPC and metrics listeners
-    model_control: str = "none"  # "none" loads everything; "explicit" for the repository API
-    log_verbose: int = 0
-    shm_bytes: int = 8 << 20  # Python backend shared-memory arena per instance (grows by as much)
+    http_port: int = option(8000, "HTTP port (Triton's KServe v2 REST API)")
+    grpc_port: int = option(8001, "gRPC port")
+    metrics_port: int = option(8002, "Prometheus metrics port")
+    bind: str = option("0.0.0.0", "address the HTTP, gRPC and metrics ports listen on (0.0.0.0: every interface; "
+                                  "127.0.0.1 keeps the server to this host)", metavar="ADDRESS")
+    model_control: str = option("explicit", "explicit: repository API on (behind the admin token) and a stub "
+                                            "supervisor that restarts the server when a stub dies; none: load "
+                                            "everything once, no restarts", choices=("explicit", "none"))
+    admin_token_file: str | None = option(None, "file holding the admin token that the repository, logging, "
+                                                "trace and shared-memory APIs require; not set: a new random "
+                                                "token in REPO/.admin-token (mode 0600) at every start", metavar="FILE")
+    log_verbose: int = option(0, "tritonserver's verbose log level (0: off)")
+    shm_bytes: int = option(8 << 20, "Python backend shared-memory arena per model instance, grown by as much")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
@@ -234,12 +245,37 @@ def _remove_shm(prefix: str) -> None:
         path.unlink(missing_ok=True)
 
 
+FATAL_SIGNAL = re.compile(rb"^Signal \((4|6|7|8|11)\) received")  # SIGILL, ABRT, BUS, FPE, SEGV
+
+
+def _forward_output(proc: subprocess.Popen) -> list[str]:
+    """Copy tritonserver's output to ours, line by line, from a thread; the returned list gets
+    the fatal signal's line if one is reported. Why watch the log: after "Signal (11)
+    received" Triton's handler calls exit(), which can deadlock while its HTTP threads still
+    answer /v2/health (seen with Triton issue #5840's crash), so the process neither exits nor
+    looks dead."""
+    crashed: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in iter(proc.stdout.readline, b""):
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+            if FATAL_SIGNAL.match(line):
+                crashed.append(line.decode(errors="replace").strip())
+
+    threading.Thread(target=pump, name="tritonserver-output", daemon=True).start()
+    return crashed
+
+
 def serve_supervised(opts: ServerOptions) -> int:
-    """Run tritonserver in the foreground and restart it whenever a model's stub dies (`make serve`).
+    """Run tritonserver in the foreground and restart it whenever a model's stub dies or the
+    server itself crashes while serving (`make serve`).
 
     SIGINT and SIGTERM end the watch first (no restart may race the shutdown), then go to
-    tritonserver, whose exit code this returns. Why a restart rather than a model reload:
-    pergola/supervisor.py.
+    tritonserver, whose exit code this returns; so does a server that exits before it was ever
+    ready (a configuration error: restarting would not help). Why a restart rather than a model
+    reload: pergola/supervisor.py.
     """
     from pergola.admin import RepositoryClient
     from pergola.supervisor import Supervisor
@@ -262,23 +298,30 @@ def serve_supervised(opts: ServerOptions) -> int:
         signal.signal(sig, shutdown)
     restarts = 0
     while not stopping:
-        proc = subprocess.Popen(cmd, env=install.env(), preexec_fn=_die_with_parent)
-        running = lambda: proc.poll() is None and not stopping  # noqa: E731
-        dead = None
-        if opts.model_control == "explicit":
-            try:
-                wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host)
-                dead = supervisor.watch(running)
-            except ServerError:
-                pass  # exited, or never ready: its own log says why
-        if dead is None or stopping:
+        proc = subprocess.Popen(cmd, env=install.env(), preexec_fn=_die_with_parent,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        crashed = _forward_output(proc)
+        try:
+            wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host)
+        except ServerError:
+            break  # exited, or never ready: its own log says why
+        reason = supervisor.watch(lambda: proc.poll() is None and not stopping and not crashed)
+        if stopping:
             break
         restarts += 1
-        print(f"pergola: a stub process of model {dead} died; restarting tritonserver (restart {restarts})",
-              flush=True)
+        reason = reason or (f"tritonserver crashed ({crashed[0]})" if crashed else
+                            f"tritonserver exited with code {proc.returncode} while serving")
+        print(f"pergola: {reason}; restarting tritonserver (restart {restarts})", flush=True)
         _stop_now(proc, opts.repo)
         _remove_shm(shm_prefix)
-    rc = proc.wait() if proc is not None else 0
+    rc = 0
+    if proc is not None:
+        try:  # Triton waits up to its exit timeout (30 s) for in-flight requests; a hung one is killed
+            rc = proc.wait(timeout=45)
+        except subprocess.TimeoutExpired:
+            print("pergola: tritonserver did not exit within 45 s of the signal; killing it", flush=True)
+            _stop_now(proc, opts.repo, grace_s=0)
+            rc = 1
     _remove_shm(shm_prefix)
     return rc
 

@@ -1,4 +1,5 @@
-"""Recovery: restart the server when a model's Python stub process dies, every time it dies.
+"""Recovery: restart the server when a model's Python stub process dies, every time it dies
+(and when tritonserver itself crashes: server.serve_supervised).
 
 Triton 2.51 does not restart a Python-backend stub that crashed (out of memory, a killed
 process, a CUDA fault): every later request to that model fails with "Stub process ... is not
@@ -62,24 +63,34 @@ def live_stubs(repo: Path) -> dict[str, int]:
 
 
 class Supervisor:
-    """Watches one server's stubs for a death (server.serve_supervised restarts the server)."""
+    """Watches one server for a dead stub or a hung server (server.serve_supervised restarts it)."""
 
-    def __init__(self, repo: Path, api: RepositoryClient, interval_s: float = 0.5) -> None:
+    def __init__(self, repo: Path, api: RepositoryClient, interval_s: float = 0.5,
+                 live_every_s: float = 2.0, live_failures: int = 3) -> None:
         self.repo = repo
         self.api = api
         self.interval_s = interval_s
+        self.live_every_s = live_every_s  # how often /v2/health/live is asked
+        self.live_failures = live_failures  # unanswered in a row before the server counts as hung
 
     def watch(self, running: Callable[[], bool]) -> str | None:
-        """Block while `running()`; return the name of a READY model whose stub died, or None
-        once `running()` is false (the server exited, or shutdown began)."""
+        """Block while `running()`; return why the server must be restarted (a READY model lost
+        a stub, or the server stopped answering: a crashed process can hang in its crash
+        handler), or None once `running()` is false (the server exited, or shutdown began)."""
         # Per model, the stubs it should have: its config's count, or more if Triton started
-        # more (KIND_GPU places `count` instances on every visible GPU).
-        started = live_stubs(self.repo)
-        expected = {name: max(n, started.get(name, 0)) for name, n in expected_instances(self.repo).items()}
+        # more (KIND_GPU places `count` instances on every visible GPU). The fewest seen over a
+        # couple of seconds: a stub Triton ran only to complete a config may still be exiting.
+        settled: dict[str, int] = {}
+        for i in range(4):
+            seen = live_stubs(self.repo)
+            settled = seen if i == 0 else {name: min(n, seen.get(name, 0)) for name, n in settled.items()}
+            time.sleep(self.interval_s)
+        expected = {name: max(n, settled.get(name, 0)) for name, n in expected_instances(self.repo).items()}
+        unanswered, next_live = 0, time.monotonic() + self.live_every_s
         while running():
             time.sleep(self.interval_s)
             alive = live_stubs(self.repo)
-            short = [name for name, want in expected.items() if alive.get(name, 0) < want]
+            short = {name: alive.get(name, 0) for name, want in expected.items() if alive.get(name, 0) < want}
             if short and running():
                 try:
                     states = self.api.index()
@@ -88,5 +99,10 @@ class Supervisor:
                     continue
                 dead = [name for name in short if states.get(name) == "READY"]
                 if dead:
-                    return dead[0]
+                    return f"model {dead[0]} has {short[dead[0]]} of {expected[dead[0]]} stub processes alive"
+            if time.monotonic() >= next_live and running():
+                next_live = time.monotonic() + self.live_every_s
+                unanswered = 0 if self.api.live() else unanswered + 1
+                if unanswered >= self.live_failures:
+                    return f"tritonserver has not answered /v2/health/live for {unanswered} checks in a row"
         return None

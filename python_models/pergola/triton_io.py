@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from pergola.encodings import check_encoding
-from pergola.errors import RequestError, decode_utf8
+from pergola.errors import RequestError, bounded, decode_utf8
+
+MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)
 
 
 def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
@@ -26,8 +28,29 @@ def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
         raise RequestError(f"{name} takes exactly one value, got {values.size}")
     value = values[0]
     if isinstance(value, bytes):
+        if len(value) > MAX_OPTION_BYTES:
+            raise RequestError(f"{name} is {len(value):,} bytes; it takes a short name (at most {MAX_OPTION_BYTES})")
         return decode_utf8([value], name)[0]
     return value.item() if isinstance(value, np.generic) else value
+
+
+def required_strings(pb_utils: Any, request: Any, name: str) -> list[bytes]:
+    """A 1-D BYTES input ([n] strings) as a list of bytes, refused if missing or of another shape."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise RequestError(f"input {name} is required")
+    raw = tensor.as_numpy()
+    if raw.ndim != 1:
+        raise RequestError(f"{name} must be 1-D ([n] strings), got shape {list(raw.shape)}")
+    return raw.tolist()
+
+
+def top_n_option(pb_utils: Any, request: Any) -> int:
+    """A reranker's TOP_N (0 or omitted: every document)."""
+    top_n = int(optional_scalar(pb_utils, request, "TOP_N") or 0)
+    if top_n < 0:
+        raise RequestError(f"TOP_N={top_n} must be positive (0 or omitted = all documents)")
+    return top_n
 
 
 def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> tuple[int, bool, str]:
@@ -42,21 +65,26 @@ def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: b
 
 
 def required_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
+    """A numeric input flattened, as an owned copy (the request's memory is freed after execute)."""
+    array = optional_array(pb_utils, request, name, dtype)
+    if array is None:
         raise RequestError(f"input {name} is required")
-    return tensor.as_numpy().reshape(-1).astype(dtype, copy=False)
+    return array
+
+
+def optional_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else np.array(tensor.as_numpy().reshape(-1), dtype=dtype)
 
 
 def error_response(pb_utils: Any, exc: Exception) -> Any:
     """A Triton error response; RequestError is the client's to fix (INVALID_ARG)."""
     if isinstance(exc, RequestError):
         return pb_utils.InferenceResponse(
-            error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+            error=pb_utils.TritonError(bounded(str(exc)), pb_utils.TritonError.INVALID_ARG)
         )
-    return pb_utils.InferenceResponse(
-        error=pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
-    )
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+        bounded(f"internal error: {type(exc).__name__}: {exc}"), pb_utils.TritonError.INTERNAL))
 
 
 def set_cpu_threads(cfg: Any) -> int | None:

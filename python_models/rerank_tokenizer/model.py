@@ -4,33 +4,30 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
-from pergola.errors import RequestError, decode_utf8
+from pergola.memory import HeapTrimmer
+from pergola.errors import RequestError
 from pergola.rerank import RerankTokenizer
-from pergola.triton_io import error_response, optional_scalar
+from pergola.triton_io import error_response, optional_scalar, required_strings, top_n_option
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.cfg = EngineConfig.from_triton_args(args)
         spec = self.cfg.spec()
-        self.tokenizer = RerankTokenizer(spec, spec.reranker_kind, max_documents=self.cfg.max_texts)
+        self.tokenizer = RerankTokenizer(spec, spec.reranker_kind, self.cfg)
+        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
 
     def execute(self, requests: list) -> list:
         return [self._execute_one(r) for r in requests]
 
     def _execute_one(self, request) -> "pb_utils.InferenceResponse":
         try:
-            query = decode_utf8(pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy().reshape(-1).tolist(),
-                                "QUERY")
+            query = required_strings(pb_utils, request, "QUERY")
             if len(query) != 1:
                 raise RequestError(f"QUERY takes exactly one string, got {len(query)}")
-            raw = pb_utils.get_input_tensor_by_name(request, "DOCUMENTS").as_numpy()
-            if raw.ndim != 1:
-                raise RequestError(f"DOCUMENTS must be 1-D ([n] strings), got shape {list(raw.shape)}")
-            documents = decode_utf8(raw.tolist(), "DOCUMENTS")
-            top_n = int(optional_scalar(pb_utils, request, "TOP_N") or 0)
-            if top_n < 0:
-                raise RequestError(f"TOP_N={top_n} must be positive (0 or omitted = all documents)")
+            documents = required_strings(pb_utils, request, "DOCUMENTS")  # checked by encode()
+            self.trimmer.after(sum(map(len, documents)) * 8)
+            top_n = top_n_option(pb_utils, request)
             truncate = optional_scalar(pb_utils, request, "TRUNCATE")
             enc = self.tokenizer.encode(query[0], documents,
                                         truncate=self.cfg.truncate if truncate is None else bool(truncate))

@@ -4,26 +4,25 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
-from pergola.errors import RequestError, decode_utf8
+from pergola.memory import HeapTrimmer
 from pergola.tokenization import TextTokenizer
-from pergola.triton_io import embed_options, error_response, optional_scalar
+from pergola.triton_io import embed_options, error_response, optional_scalar, required_strings
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.cfg = EngineConfig.from_triton_args(args)
         self.spec = self.cfg.spec()
-        self.tokenizer = TextTokenizer(self.spec, self.cfg.max_texts)
+        self.tokenizer = TextTokenizer(self.spec, self.cfg.text_limits())
+        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
 
     def execute(self, requests: list) -> list:
         return [self._execute_one(r) for r in requests]
 
     def _execute_one(self, request) -> "pb_utils.InferenceResponse":
         try:
-            raw = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
-            if raw.ndim != 1:
-                raise RequestError(f"TEXT must be 1-D ([n] strings), got shape {list(raw.shape)}")
-            texts = decode_utf8(raw.tolist())
+            texts = required_strings(pb_utils, request, "TEXT")  # decoded and size-checked by encode()
+            self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
             dims, normalize, encoding = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize)
             truncate = optional_scalar(pb_utils, request, "TRUNCATE")
             enc = self.tokenizer.encode(

@@ -1,9 +1,14 @@
-"""The engine: scheduler (token-budget FCFS) + runner (model, device) joined by a short loop."""
+"""The engine: scheduler (token-budgeted steps) + runner (model, device) joined by a short loop.
+
+`Engine.encode` runs a list of requests to the end (tests, benchmarks, in-process use); the
+server feeds the same steps from a background loop that takes requests as they arrive
+(engine/loop.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Hashable, Mapping
 
 import numpy as np
 import torch
@@ -11,7 +16,7 @@ import torch
 from pergola.config import EngineConfig
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.runner import ModelRunner
-from pergola.engine.scheduler import Step, TokenBudgetScheduler
+from pergola.engine.scheduler import Step, WorkQueue
 from pergola.errors import RequestError
 
 
@@ -32,30 +37,50 @@ class Engine:
         self.device = torch.device(device or cfg.device)
         self.runner = ModelRunner(self.spec, cfg, self.device)
         self.vocab_size = int(self.spec.hf_config["vocab_size"])
+        # Segment ids the model embeds (BERT's token types); a model without them takes only 0.
+        types = getattr(getattr(self.runner.model, "embeddings", None), "token_type_embeddings", None)
+        self.type_vocab_size = types.num_embeddings if types is not None else 1
         # Running totals for metrics: requests, sequences, tokens, steps, and steps by mode
         # (steps_eager / steps_warmup / steps_capture / steps_replay).
         self.stats: Counter[str] = Counter()
 
     def validate(self, req: EncodeRequest) -> None:
-        """Refuse malformed pre-tokenized input before it can reach a kernel."""
-        lengths = req.lengths
+        """Refuse malformed pre-tokenized input before it can reach a kernel (or pool over no
+        tokens: a silent zero vector). Every field is checked against the others."""
+        lengths, ids = req.lengths, req.input_ids
+        most = self.cfg.max_documents if self.spec.task == "rerank" else self.cfg.max_texts
         if lengths.ndim != 1 or lengths.size == 0:
             raise RequestError("LENGTHS must be a non-empty 1-D list of token counts")
-        if lengths.size > self.cfg.max_texts:
-            raise RequestError(f"{lengths.size} sequences in one request; the limit is {self.cfg.max_texts}")
+        if lengths.size > most:
+            raise RequestError(f"{lengths.size} sequences in one request; the limit is {most}")
         if (lengths < 1).any():
             raise RequestError(f"LENGTHS[{int(np.argmin(lengths))}] is {int(lengths.min())}; every sequence needs a token")
-        if int(lengths.max()) > min(self.runner.max_positions, self.spec.max_seq_length):
-            limit = min(self.runner.max_positions, self.spec.max_seq_length)
+        limit = min(self.runner.max_positions, self.spec.max_seq_length)
+        if int(lengths.max()) > limit:
             raise RequestError(f"a sequence has {int(lengths.max())} tokens; this model takes at most {limit}")
-        if int(lengths.sum()) != req.input_ids.size:
-            raise RequestError(f"LENGTHS add up to {int(lengths.sum())} but INPUT_IDS has {req.input_ids.size} tokens")
-        if req.token_types is not None and req.token_types.size != req.input_ids.size:
-            raise RequestError(f"TOKEN_TYPE_IDS has {req.token_types.size} values for {req.input_ids.size} tokens")
-        if req.input_ids.size and (req.input_ids.min() < 0 or req.input_ids.max() >= self.vocab_size):
+        if int(lengths.sum(dtype=np.int64)) != ids.size:
+            raise RequestError(f"LENGTHS add up to {int(lengths.sum(dtype=np.int64))} but INPUT_IDS has {ids.size} tokens")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise RequestError(f"INPUT_IDS must lie in [0, {self.vocab_size}) for this model's vocabulary")
+        if req.prompt_lengths is not None:
+            skips = req.prompt_lengths
+            if skips.size != lengths.size:
+                raise RequestError(f"PROMPT_LENGTHS has {skips.size} values for {lengths.size} sequences; send one "
+                                   "per sequence")
+            bad = np.flatnonzero((skips < 0) | (skips >= lengths))
+            if bad.size:
+                i = int(bad[0])
+                raise RequestError(f"PROMPT_LENGTHS[{i}] is {int(skips[i])} for a sequence of {int(lengths[i])} tokens; "
+                                   "it must be at least 0 and leave a token to pool")
+        if req.token_types is not None:
+            types = req.token_types
+            if types.size != ids.size:
+                raise RequestError(f"TOKEN_TYPE_IDS has {types.size} values for {ids.size} tokens")
+            if types.size and (types.min() < 0 or types.max() >= self.type_vocab_size):
+                raise RequestError(f"TOKEN_TYPE_IDS must lie in [0, {self.type_vocab_size}) for this model")
 
-    def _gather(self, requests: list[EncodeRequest], step: Step):
+    def _gather(self, requests: Mapping[Hashable, EncodeRequest], step: Step):
+        """The step's flat ids, lengths, pooling skips and token types, from its requests."""
         ids = np.concatenate([requests[s.request].input_ids[s.start:s.start + s.length] for s in step.seqs])
         lengths = np.fromiter((s.length for s in step.seqs), dtype=np.int32, count=len(step.seqs))
         skips = None
@@ -69,29 +94,39 @@ class Engine:
                 else requests[s.request].token_types[s.start:s.start + s.length] for s in step.seqs])
         return ids, lengths, skips, types
 
+    def launch(self, step: Step, requests: Mapping[Hashable, EncodeRequest]) -> LazyTensor:
+        """Start one step on the device and return without waiting (LazyTensor)."""
+        lazy = self.runner.step(*self._gather(requests, step))
+        self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
+                          **{f"steps_{self.runner.last_mode}": 1})
+        return lazy
+
+    def new_queue(self) -> WorkQueue:
+        return WorkQueue(self.cfg.step_tokens, self.cfg.max_batch_seqs)
+
     def encode(self, requests: list[EncodeRequest]) -> list[np.ndarray]:
         """-> one [n_i, out_dim] fp32 array per request: pooled embeddings (not yet truncated or
-        normalised), or a reranker's scores."""
+        normalised), or a reranker's scores. Synchronous; the server runs the same steps from
+        its own loop (engine/loop.py)."""
         width = self.runner.out_dim
         results = [np.empty((r.lengths.size, width), dtype=np.float32) for r in requests]
-        scheduler = TokenBudgetScheduler(self.cfg.max_batch_tokens, self.cfg.max_batch_seqs)
-        for i, r in enumerate(requests):
-            scheduler.add(i, r.lengths.tolist())
-
-        def collect(step: Step, lazy: LazyTensor) -> None:
-            values = lazy.wait()
-            for row, s in enumerate(step.seqs):
-                results[s.request][s.index] = values[row]
-
+        queue, by_key = self.new_queue(), dict(enumerate(requests))
+        for i, r in by_key.items():
+            queue.add(i, r.lengths.tolist())
+        self.stats.update(requests=len(requests))
         inflight: tuple[Step, LazyTensor] | None = None
-        self.stats.update(requests=len(requests), sequences=sum(r.lengths.size for r in requests),
-                          tokens=sum(r.input_ids.size for r in requests))
-        for step in scheduler.steps():
-            lazy = self.runner.step(*self._gather(requests, step))  # packed while the last step runs
-            self.stats.update(steps=1, **{f"steps_{self.runner.last_mode}": 1})
+        for step in queue.steps():
+            lazy = self.launch(step, by_key)  # packed while the last step runs
             if inflight is not None:
-                collect(*inflight)
+                scatter(*inflight, results)
             inflight = (step, lazy)
         if inflight is not None:
-            collect(*inflight)
+            scatter(*inflight, results)
         return results
+
+
+def scatter(step: Step, lazy: LazyTensor, results: Mapping[Hashable, np.ndarray] | list[np.ndarray]) -> None:
+    """Wait for a step and copy each sequence's row into its request's result."""
+    values = lazy.wait()
+    for row, s in enumerate(step.seqs):
+        results[s.request][s.index] = values[row]

@@ -149,7 +149,7 @@ class ModelRunner:
             self._result_buffers = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
             # Padded backends (SDPA: FP32 on a GPU) build their own index tensors per step.
             if not getattr(self.attn, "needs_padding", False):
-                max_tokens = max(cfg.max_batch_tokens, spec.max_seq_length)
+                max_tokens = max(cfg.step_tokens, spec.max_seq_length)
                 self.buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, device)
                 # Host-planned backends are graph-safe only if they re-plan into fixed buffers.
                 graph_safe = all(getattr(a, "graph_safe", not getattr(a, "needs_plan", False)) for _, a in self.graph_attn)
@@ -185,7 +185,8 @@ class ModelRunner:
         cfg, device = self.cfg, self.device
         if cfg.attention_backend == "auto" and device.type == "cuda" and self.dtype != torch.float32:
             t0 = time.perf_counter()
-            self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype)
+            self.probe = probe_attention(*self.attention_heads(), self.spec.causal, device, self.dtype,
+                                         probe_fa4=cfg.probe_fa4)
             self.startup["attention_probe"] = time.perf_counter() - t0
             rules = [(tokens, self.probe.backends[name]) for tokens, name in self.probe.graph_rules]
             eager_name = self.probe.eager

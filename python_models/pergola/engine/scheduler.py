@@ -1,20 +1,27 @@
-"""First-come-first-served packing of sequences into token-budgeted steps. No torch here.
+"""Packing of queued requests' sequences into token-budgeted steps. No torch here.
 
-Why FCFS is enough: for small embedding models the dense layers' linear cost dominates
+Why a token budget: for small embedding models the dense layers' linear cost dominates
 attention's quadratic cost, so a step's time follows its token count; once a step holds
-enough tokens to saturate the GPU, packing more sequences does not make it more efficient.
+enough tokens to saturate the device, packing more sequences does not make it more efficient.
+
+Order: the request with the least work left goes first (ties: arrival order), and within it
+sequences go in order; a step stops at the first sequence that does not fit. So a query that
+arrives while a bulk request is being encoded takes the next step instead of waiting for the
+whole bulk request (a request is no longer the unit of scheduling), and bulk requests of equal
+size still finish in arrival order (the one begun has less left). A request larger than the
+budget is spread over steps; a sequence longer than the budget runs alone in its own step.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Hashable, Iterator
 
 
 @dataclass(frozen=True)
 class Sequence:
-    request: int  # index of the request in the current execute() call
+    request: Hashable  # the caller's key of the request
     index: int  # row of the sequence inside its request
     start: int  # offset of its first token in the request's flat ids
     length: int
@@ -26,38 +33,83 @@ class Step:
     num_tokens: int = 0
 
 
-class TokenBudgetScheduler:
-    """Queue of sequences; `next_step()` takes them in arrival order until the budget is full.
+@dataclass
+class _Job:
+    key: Hashable
+    lengths: list[int]
+    arrival: int
+    next: int = 0  # first sequence not yet in a step
+    start: int = 0  # its token offset
+    left: int = 0  # tokens not yet in a step
 
-    A request larger than the budget is split across steps; a single sequence longer than the
-    budget runs alone in its own step rather than being refused.
-    """
+    def sort_key(self) -> tuple[int, int]:
+        return self.left, self.arrival
+
+
+class WorkQueue:
+    """Requests waiting to be encoded; `next_step()` packs the next step from them."""
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
-        self._queue: deque[Sequence] = deque()
+        self._jobs: dict[Hashable, _Job] = {}
+        self._arrivals = itertools.count()
+        self.queued_tokens = 0  # tokens of every request not yet in a step
 
-    def __len__(self) -> int:
-        return len(self._queue)
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
 
-    def add(self, request: int, lengths: list[int]) -> None:
-        start = 0
-        for i, n in enumerate(lengths):
-            self._queue.append(Sequence(request, i, start, int(n)))
-            start += int(n)
+    def add(self, key: Hashable, lengths: list[int]) -> None:
+        if key in self._jobs:
+            raise KeyError(f"request {key!r} is already queued")
+        job = _Job(key, [int(n) for n in lengths], next(self._arrivals))
+        job.left = sum(job.lengths)
+        self._jobs[key] = job
+        self.queued_tokens += job.left
+
+    def remove(self, key: Hashable) -> None:
+        """Drop a request's sequences that are not yet in a step (cancelled, past its deadline)."""
+        job = self._jobs.pop(key, None)
+        if job is not None:
+            self.queued_tokens -= job.left
+
+    def keys(self) -> list[Hashable]:
+        return list(self._jobs)
+
+    def work_ahead(self, tokens: int) -> int:
+        """Queued tokens that would run before a new request of `tokens` tokens (least work
+        first): what such a request waits for, besides the step in flight."""
+        return sum(job.left for job in self._jobs.values() if job.left <= tokens)
+
+    def finish_lines(self) -> dict[Hashable, int]:
+        """Per queued request, the tokens that run before its last sequence (its own included)."""
+        out, total = {}, 0
+        for job in sorted(self._jobs.values(), key=_Job.sort_key):
+            total += job.left
+            out[job.key] = total
+        return out
 
     def next_step(self) -> Step | None:
-        if not self._queue:
+        if not self._jobs:
             return None
         step = Step()
-        while self._queue and len(step.seqs) < self.max_batch_seqs:
-            seq = self._queue[0]
-            if step.seqs and step.num_tokens + seq.length > self.max_batch_tokens:
-                break  # stop at the first sequence that does not fit: strict FCFS
-            step.seqs.append(self._queue.popleft())
-            step.num_tokens += seq.length
+        for job in sorted(self._jobs.values(), key=_Job.sort_key):
+            if not self._take(job, step):
+                break
         return step
+
+    def _take(self, job: _Job, step: Step) -> bool:
+        """Move `job`'s sequences into `step` while they fit; False once the step is full."""
+        while job.next < len(job.lengths):
+            n = job.lengths[job.next]
+            if len(step.seqs) >= self.max_batch_seqs or (step.seqs and step.num_tokens + n > self.max_batch_tokens):
+                return False
+            step.seqs.append(Sequence(job.key, job.next, job.start, n))
+            step.num_tokens += n
+            job.next, job.start, job.left = job.next + 1, job.start + n, job.left - n
+            self.queued_tokens -= n
+        del self._jobs[job.key]
+        return True
 
     def steps(self) -> Iterator[Step]:
         while (step := self.next_step()) is not None:

@@ -14,7 +14,7 @@ name the backend explicitly in the config to compile it once.
 
 FlashAttention-4 (`flash_attn4`) also compiles on first use (CuTe DSL JIT, one kernel per variant;
 the probe's shapes need several) and has no prebuilt form: on the H200 that made a Qwen3-0.6B
-load take 15.8 s instead of 4.3 s. So it is timed only when `PERGOLA_PROBE_FA4=1` asks for it,
+load take 15.8 s instead of 4.3 s. So it is timed only when `probe_fa4` (`--probe-fa4`) asks for it,
 and only on the GPUs it supports; there it wins the graph classes that hold one long text
 (4,096 tokens: 112 µs per layer against FA3's 135), which is worth the compile for long-query
 latency and not for short queries.
@@ -23,7 +23,6 @@ latency and not for short queries.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -74,9 +73,9 @@ def flashinfer_ready(backend: str, head_dim: int, dtype: torch.dtype) -> bool:
         return False
 
 
-def fa4_ready() -> bool:
-    """Did `PERGOLA_PROBE_FA4=1` opt in, does `flash_attn.cute` import and does this GPU have its kernels?"""
-    if os.environ.get("PERGOLA_PROBE_FA4", "") != "1":
+def fa4_ready(opt_in: bool) -> bool:
+    """Did the config opt in (`probe_fa4`), does `flash_attn.cute` import, does this GPU have its kernels?"""
+    if not opt_in:
         return False
     from pergola.layers.attention import FlashAttention4
 
@@ -89,12 +88,12 @@ def fa4_ready() -> bool:
     return True
 
 
-def candidates(head_dim: int, dtype: torch.dtype) -> list[str]:
+def candidates(head_dim: int, dtype: torch.dtype, probe_fa4: bool = False) -> list[str]:
     names = ["torch_flash"]
     if HAVE_TRITON and torch.cuda.is_available():
         names.append("triton")  # pergola's own kernel for short steps (pergola.layers.triton_attention)
     names += [f"flashinfer_{b}" for b in ("fa2", "fa3") if flashinfer_ready(b, head_dim, dtype)]
-    if fa4_ready():
+    if fa4_ready(probe_fa4):
         names.append("flash_attn4")
     return names
 
@@ -134,9 +133,9 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
 
 
 def probe(heads: int, kv_heads: int, head_dim: int, causal: bool, device: torch.device,
-          dtype: torch.dtype, names: list[str] | None = None) -> ProbeResult:
+          dtype: torch.dtype, names: list[str] | None = None, probe_fa4: bool = False) -> ProbeResult:
     """Time every candidate on each class of graph steps (in graphs) and on LARGE_SHAPES (eager)."""
-    names = names or candidates(head_dim, dtype)
+    names = names or candidates(head_dim, dtype, probe_fa4)
     last = max(GRAPH_CLASSES)
     if len(names) == 1:  # nothing to choose between
         return ProbeResult([(last, names[0])], names[0], {names[0]: make_backend(names[0], device, dtype)})

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -58,7 +57,7 @@ class Tile:
 
 # "kind:NxK" -> [(largest M, tile or None for cuBLAS)] in increasing M; past the last row, and
 # for shapes not listed, cuBLAS (+ the SiLU kernel) runs. Measured by perf/bench_gemm.py on the
-# H200 (perf/RESULTS.md, "Matmul kernels"); `PERGOLA_TRITON_TILES=file.json` (what bench_gemm
+# H200 (perf/RESULTS.md, "Matmul kernels"); `--matmul file.json` (what bench_gemm
 # --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
 TileTable = dict[str, list[tuple[int, Tile | None]]]
 # H200, Qwen3-0.6B projections, 2026-12-02. Session 3 (perf/results/2026-12-02-session3/gemm.log):
@@ -97,14 +96,12 @@ def dump_tiles(table: TileTable, path: str) -> None:
 def tiles_for(matmul: str, device: torch.device) -> TileTable:
     """The table an engine uses: `matmul` is "auto", "cublas" or a table file (EngineConfig.matmul).
 
-    "auto": PERGOLA_TRITON_TILES if set, else the built-in table on sm90 GPUs, else none.
+    "auto": the built-in table on sm90 GPUs, else none.
     """
     if matmul == "cublas" or device.type != "cuda":
         return {}
     if matmul != "auto":
         return load_tiles(matmul)
-    if os.environ.get("PERGOLA_TRITON_TILES"):
-        return load_tiles(os.environ["PERGOLA_TRITON_TILES"])
     return SM90_TILES if torch.cuda.get_device_capability(device) == (9, 0) else {}
 
 

@@ -1,0 +1,254 @@
+"""EncodeLoop: the engine's own thread, taking requests as they arrive, one step at a time.
+
+Why: with Triton handing the encoder a batch of requests per `execute()` and the engine running
+all their steps before returning, the request was the unit of scheduling: a query that arrived
+meanwhile waited in Triton's queue behind every bulk request already taken (362 ms instead of
+2.6 ms on the H200 under bulk load, perf/RESULTS.md). Here `execute()` only queues requests
+(the Python backend's response sender answers them later) and this thread packs every step
+from all queued requests (engine/scheduler.py: least work left first), so a query waits for
+at most the step in flight. Between steps it also drops requests whose client has gone (a
+cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
+once when the queued work would take longer than `max_queue_seconds` at the measured
+throughput, or than the request's own timeout: load is shed by work, not by request count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pergola.engine import EncodeRequest, Engine
+from pergola.engine.lazy import LazyTensor
+from pergola.engine.scheduler import Step
+from pergola.memory import HeapTrimmer
+
+CANCEL_CHECK_S = 0.05  # how often a queued request's "client gone?" is asked (an IPC to the server)
+
+
+class Overloaded(RuntimeError):
+    """Refused at the door: the queued work is over its limit (retry later, elsewhere)."""
+
+
+class Cancelled(RuntimeError):
+    """The client went away (cancelled call, or past its timeout) before the result was ready."""
+
+
+class Unloading(RuntimeError):
+    """The model is being unloaded: the request was not computed."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the loop, with what to call when it is done."""
+
+    request: EncodeRequest
+    deliver: Callable[[np.ndarray], None]  # the [n, out_dim] result, called from the loop thread
+    fail: Callable[[BaseException], None]
+    cancelled: Callable[[], bool] = lambda: False
+    deadline: float | None = None  # time.monotonic() after which the client no longer waits
+    result: np.ndarray = field(init=False)
+    rows_left: int = field(init=False)
+    checked_at: float = 0.0
+
+
+class Throughput:
+    """Tokens per second while busy, over the last `window` steps. A window rather than a
+    per-step rate: with steps pipelined (and run synchronously on a CPU) the time between two
+    collections belongs to one step or the next, which averages out only over several."""
+
+    def __init__(self, window: int = 16) -> None:
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._steps.append((tokens, seconds))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        seconds = sum(s for _, s in self._steps)
+        return sum(t for t, _ in self._steps) / seconds if seconds > 0 else None
+
+
+class EncodeLoop:
+    def __init__(self, engine: Engine, max_queue_seconds: float = 0.0,
+                 on_step: Callable[[], None] | None = None,
+                 on_fatal: Callable[[BaseException], bool] | None = None) -> None:
+        """on_step: after each step (metrics). on_fatal(error) -> True when the error poisoned
+        the device: every job fails and the loop ends (the adapter then ends its process)."""
+        self.engine = engine
+        self.max_queue_seconds = max_queue_seconds
+        self.on_step = on_step or (lambda: None)
+        self.on_fatal = on_fatal or (lambda e: False)
+        self.throughput = Throughput()
+        self._queue = engine.new_queue()
+        self._jobs: dict[int, Job] = {}
+        self._keys = itertools.count()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._busy_since = time.perf_counter()
+        # Host memory freed by steps of varying shapes is given back every few seconds of work
+        # and when the queue runs dry (pergola/memory.py); a token counts as 4 KB of churn.
+        self._trimmer = HeapTrimmer(every_bytes=256 << 20, every_s=10.0)
+        self._measure()
+        self._thread = threading.Thread(target=self._run, name="pergola-encode-loop", daemon=True)
+        self._thread.start()
+
+    # --- the door (Triton's execute thread) ---------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue `job`, or raise Overloaded at once when it should not wait."""
+        tokens = int(job.request.input_ids.size)
+        job.result = np.empty((job.request.lengths.size, self.engine.runner.out_dim), dtype=np.float32)
+        job.rows_left = int(job.request.lengths.size)
+        with self._cond:
+            if self._stopping:
+                raise Unloading("the model is being unloaded; retry (another replica, or after the reload)")
+            self._admit(job, tokens)
+            key = next(self._keys)
+            self._jobs[key] = job
+            self._queue.add(key, job.request.lengths.tolist())
+            self._cond.notify()
+
+    def _admit(self, job: Job, tokens: int) -> None:
+        """Refuse a request whose wait would pass max_queue_seconds or its own deadline. Its wait
+        is the work that runs before it (least work first): a query is not refused because bulk
+        work is queued, only if it could not be served in time itself."""
+        rate, ahead = self.throughput.tokens_per_s, self._queue.work_ahead(tokens)
+        if rate is None or ahead == 0:
+            return  # nothing measured yet, or nothing ahead of it: always take the work
+        wait = (ahead + tokens) / rate
+        if self.max_queue_seconds and wait > self.max_queue_seconds:
+            raise Overloaded(f"this request would wait behind {ahead:,} queued tokens, about {wait:.1f} s at "
+                             f"{rate:,.0f} tokens/s, over the limit of {self.max_queue_seconds:g} s "
+                             "(max_queue_seconds): retry later or on another replica")
+        if job.deadline is not None and time.monotonic() + wait > job.deadline:
+            raise Overloaded(f"this request would wait behind {ahead:,} queued tokens, about {wait:.1f} s, past "
+                             "its own timeout: retry later, or with a longer timeout")
+
+    def _measure(self) -> None:
+        """Seed the throughput with two full steps of a dummy batch (the first warms up),
+        so that admission works from the first request of a flood."""
+        budget, length = self.engine.cfg.step_tokens, min(128, self.engine.spec.max_seq_length)
+        count = max(1, min(budget // length, self.engine.cfg.max_batch_seqs))
+        dummy = EncodeRequest(np.zeros(count * length, np.int64), np.full(count, length, np.int32))
+        for _ in range(2):
+            t0 = time.perf_counter()
+            self.engine.encode([dummy])
+            seconds = time.perf_counter() - t0
+        self.throughput.add(count * length, seconds)
+        self.engine.stats.clear()  # not traffic
+
+    def queued_tokens(self) -> int:
+        with self._cond:
+            return self._queue.queued_tokens
+
+    def stop(self) -> None:
+        """Finish the step in flight, fail what is still queued (Unloading), end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=60)
+
+    # --- the loop thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        if self.engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.engine.device)  # the current device is per thread
+        inflight: tuple[Step, LazyTensor] | None = None
+        while True:
+            with self._cond:
+                if not self._queue and inflight is None and not self._stopping:
+                    if not self._cond.wait_for(lambda: bool(self._queue) or self._stopping, timeout=1.0):
+                        self._trimmer.now()  # idle for a second: give the heap back
+                        self._cond.wait_for(lambda: bool(self._queue) or self._stopping)
+                    self._busy_since = time.perf_counter()  # idle time is not work time
+                if self._stopping and inflight is None:
+                    leftover = list(self._jobs.values())
+                    self._jobs.clear()
+                    break
+                gone = [] if self._stopping else self._expire()
+                step = None if self._stopping else self._queue.next_step()
+                requests = {s.request: self._jobs[s.request].request for s in step.seqs} if step else {}
+            for job, error in gone:
+                job.fail(error)
+            try:
+                launched = (step, self.engine.launch(step, requests)) if step else None
+                if inflight is not None:
+                    self._collect(*inflight)
+            except Exception as e:  # noqa: BLE001 - fail the steps' requests, keep serving
+                if self._failed(e, [st for st in (step, inflight and inflight[0]) if st is not None]):
+                    return
+                launched = None
+            inflight = launched
+        for job in leftover:
+            job.fail(Unloading("the model was unloaded before this request was computed; retry"))
+
+    def _expire(self) -> list[tuple[Job, BaseException]]:
+        """Drop queued jobs whose client is gone, or that can no longer finish before their
+        deadline at the measured throughput (called with the lock held)."""
+        now = time.monotonic()
+        rate = self.throughput.tokens_per_s
+        finish = self._queue.finish_lines() if rate else {}
+        gone = []
+        for key, job in list(self._jobs.items()):
+            if job.deadline is not None and now > job.deadline:
+                gone.append((key, job, Cancelled("the request's timeout passed before it was computed")))
+            elif job.deadline is not None and key in finish and now + finish[key] / rate > job.deadline:
+                gone.append((key, job, Cancelled(f"the request cannot finish before its timeout "
+                                                 f"({finish[key]:,} tokens to go at {rate:,.0f} tokens/s); retry")))
+            elif now - job.checked_at >= CANCEL_CHECK_S:
+                job.checked_at = now
+                if job.cancelled():
+                    gone.append((key, job, Cancelled("the request was cancelled by its client")))
+        for key, _, _ in gone:
+            self._queue.remove(key)
+            del self._jobs[key]
+        return [(job, error) for _, job, error in gone]
+
+    def _collect(self, step: Step, lazy: LazyTensor) -> None:
+        """Wait for `step`, file its rows, deliver the requests it completed."""
+        values = lazy.wait()  # [num_seqs, out_dim] host view, valid until the buffer is reused
+        now = time.perf_counter()
+        self.throughput.add(step.num_tokens, now - self._busy_since)
+        self._busy_since = now
+        done = []
+        with self._cond:
+            for row, s in enumerate(step.seqs):
+                job = self._jobs.get(s.request)
+                if job is None:
+                    continue  # cancelled while its step ran
+                job.result[s.index] = values[row]
+                job.rows_left -= 1
+                if job.rows_left == 0:
+                    done.append(self._jobs.pop(s.request))
+        self.engine.stats.update(requests=len(done))
+        for job in done:
+            job.deliver(job.result)
+        self.on_step()
+        self._trimmer.after(step.num_tokens * 4096)
+
+    def _take_jobs(self, step: Step) -> list[Job]:
+        with self._cond:
+            jobs = {s.request: self._jobs.pop(s.request) for s in step.seqs if s.request in self._jobs}
+            for key in jobs:
+                self._queue.remove(key)
+        return list(jobs.values())
+
+    def _failed(self, error: BaseException, steps: list[Step]) -> bool:
+        """Fail the jobs of `steps` (all jobs when the device is poisoned); True: end the loop."""
+        fatal = self.on_fatal(error)
+        if fatal:
+            with self._cond:
+                jobs = list(self._jobs.values())
+                self._jobs.clear()
+                self._stopping = True
+        else:
+            jobs = [job for step in steps for job in self._take_jobs(step)]
+        for job in jobs:
+            job.fail(error)
+        return fatal
