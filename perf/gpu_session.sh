@@ -2,7 +2,7 @@
 # The measurements of one GPU-machine session, as named steps, each writing a log + JSON under $OUT.
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
-#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests tests engine server scoring vllm vllm_inproc minilm
+#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests tests hardening engine server scoring vllm vllm_inproc minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -42,7 +42,19 @@ for step in "$@"; do
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py \
         tests/test_attention_probe.py ;;
     tests)  # the whole suite with the session server's encoders on the GPU, plus the gpu-marked tests
-      PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests ;;
+      # (the soak runs in the `hardening` step, on the Qwen3 shape, to fit the 10-minute command)
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests --deselect tests/test_soak.py ;;
+    hardening)  # overload flood, fuzz and soak against `pergola serve` with the Qwen3-0.6B shape on the GPU
+      python3 scripts/make_test_models.py /tmp/q06 --shape qwen3-0.6b --dtype bfloat16 > /dev/null
+      python3 -m pergola.cli serve --model q06=/tmp/q06 --repo /tmp/grepo --device gpu > "$OUT/serve_gpu.log" 2>&1 &
+      local_pid=$!
+      for _ in $(seq 180); do curl -sf localhost:8000/v2/health/ready > /dev/null && break; sleep 1; done
+      run overload python3 perf/bench_overload.py --clients 64 --seconds 60 --timeout 10 --large-texts 100 \
+        --words 400 --out "$OUT/overload_gpu.json"
+      run fuzz python3 perf/fuzz_server.py --name q06 --cases 3000
+      run soak python3 perf/soak.py --repo /tmp/grepo --minutes "${SOAK_MINUTES:-5}" --clients 8 --every 15 \
+        --out "$OUT/soak_gpu.json"
+      kill -TERM "$local_pid"; wait "$local_pid"; echo "pergola serve exit: $?" | tee -a "$OUT/soak.log" ;;
     engine)  # engine level: start-up probe's choice vs each kernel / cuBLAS forced (Qwen3), MiniLM as chosen
       # (MiniLM gets no kernel variants: FlashInfer has no head-dim-32 build and would JIT-fail for minutes)
       run engine python3 perf/bench_engine.py --models qwen3-0.6b --latency-n 40 \

@@ -46,18 +46,16 @@ def stats(n: int) -> Counter:
     return Counter(requests=n, sequences=2 * n, tokens=100 * n, steps_replay=n)
 
 
-def test_updates_within_the_interval_wait_for_the_timer_and_none_is_lost():
+def test_updates_within_the_interval_wait_and_a_flush_sends_the_rest():
     FakeFamily.log.clear()
-    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.2)
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=60)
     metrics.update(stats(1))  # the first update goes out at once
     assert totals(metrics)["requests"] == 1
     sent = len(FakeFamily.log)
     for n in range(2, 50):  # a burst inside the interval: no round trips
         metrics.update(stats(n))
     assert len(FakeFamily.log) == sent and totals(metrics)["requests"] == 1
-    deadline = time.monotonic() + 5
-    while totals(metrics)["requests"] != 49 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    metrics.flush(stats(49))  # what the encode loop does once idle for a second
     assert totals(metrics) == {"requests": 49, "sequences": 98, "tokens": 4900, "steps_eager": 0,
                                "steps_warmup": 0, "steps_capture": 0, "steps_replay": 49}
     assert len(FakeFamily.log) == sent + 4  # one increment per counter that moved
@@ -71,12 +69,17 @@ def test_interval_zero_flushes_every_update():
         assert totals(metrics)["tokens"] == 100 * n
 
 
-def test_an_update_that_finds_a_flush_in_progress_leaves_the_rest_to_a_timer():
-    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.1)
-    with metrics._lock:  # the timer thread is in the middle of a flush
-        metrics.update(stats(3))
-        assert totals(metrics)["requests"] == 0
-    deadline = time.monotonic() + 5
-    while totals(metrics)["requests"] != 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+def test_the_interval_passing_sends_the_next_update():
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.05)
+    metrics.update(stats(1))
+    metrics.update(stats(2))
+    assert totals(metrics)["requests"] == 1
+    time.sleep(0.06)
+    metrics.update(stats(3))
     assert totals(metrics)["tokens"] == 300
+
+
+def test_close_drops_the_metric_objects():
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"})
+    metrics.close()
+    assert not metrics._families and not metrics._by_key

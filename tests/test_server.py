@@ -113,8 +113,8 @@ def test_server_metrics_endpoint(server, client):
 
 
 def test_server_metrics_catch_up_after_a_burst(server, client):
-    """Counters are sent at most once a second; what a burst leaves behind arrives from the
-    stub's timer thread without another request (pergola.metrics)."""
+    """Counters are sent at most once a second; what a burst leaves behind arrives once the
+    encode loop has been idle for a second, without another request (pergola.metrics)."""
     import re
     import time
     import urllib.request

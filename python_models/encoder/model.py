@@ -46,7 +46,8 @@ class TritonPythonModel:
                                      f"{runner.probe.micros}")
         self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention, flush_s=self.cfg.metrics_flush_s)
         self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds,
-                               on_step=lambda: self.metrics.update(self.engine.stats), on_fatal=self._fatal)
+                               on_step=lambda: self.metrics.update(self.engine.stats),
+                               on_idle=lambda: self.metrics.flush(self.engine.stats), on_fatal=self._fatal)
 
     def _decode(self, request) -> tuple[EncodeRequest, tuple]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
@@ -107,4 +108,5 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.loop.stop()
-        self.metrics.flush()  # counts still waiting for the flush interval
+        self.metrics.flush(self.engine.stats)  # counts still waiting for the flush interval
+        self.metrics.close()

@@ -10,15 +10,17 @@ Tokens per step is pergola_tokens_total / pergola_steps_total; queue wait is Tri
 nv_inference_queue_duration_us.
 
 Counters reach Triton at most once per `metrics_flush_s` seconds (default 1; 0 = after
-every execute), and a quiet second after the last request flushes the rest. Why: each update is
-a round trip from the stub to the server process, and the four of them took 205 µs (p50) of
-every execute on a 2-core machine, inside the request's latency (16 µs batched); Prometheus
-scrapes every 1-15 s anyway.
+every step), and the encode loop flushes the rest once it has been idle for a second. Why
+batched: each update is a round trip from the stub to the server process, and the four of them
+took 205 µs (p50) of every execute on a 2-core machine, inside the request's latency (16 µs
+batched); Prometheus scrapes every 1-15 s anyway. Every call comes from the encode loop's one
+thread (engine/loop.py): the stub's metric calls are IPC, and keeping them to one thread keeps
+them from racing the loop's other traffic with the server.
 """
 
 from __future__ import annotations
 
-import threading
+import gc
 import time
 from collections import Counter
 from typing import Any
@@ -52,39 +54,24 @@ class EncoderMetrics:
         # engine stats key -> counter: "requests", "sequences", "tokens", "steps_<mode>"
         self._by_key = dict(self._counters) | {f"steps_{mode}": m for mode, m in self._steps.items()}
         self._seen: Counter[str] = Counter()  # what Triton has been told
-        self._latest: Counter[str] = Counter()  # the engine's counts at the last update
-        self._lock = threading.Lock()
         self._flushed_at = float("-inf")
-        self._timer: threading.Timer | None = None
 
     def update(self, stats: Counter[str]) -> None:
-        """Take the engine's running counts; tell Triton now if the last flush is flush_s old,
-        else within flush_s (a timer, so counts never wait for the next request)."""
-        self._latest = Counter(stats)  # a snapshot: the engine keeps counting
-        if time.monotonic() - self._flushed_at >= self.flush_s and self.flush(wait=False):
-            return
-        if self._timer is None:  # (two timers after a race only mean one empty flush)
-            self._timer = threading.Timer(self.flush_s, self._flush_from_timer)
-            self._timer.daemon = True
-            self._timer.start()
+        """Tell Triton the engine's running counts if the last flush is flush_s old."""
+        if time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush(stats)
 
-    def _flush_from_timer(self) -> None:
-        self._timer = None
-        self.flush()
+    def flush(self, stats: Counter[str]) -> None:
+        """Add to Triton's counters what the engine counted since the last flush."""
+        for key, metric in self._by_key.items():
+            if stats[key] > self._seen[key]:
+                metric.increment(stats[key] - self._seen[key])
+        self._seen = Counter(stats)
+        self._flushed_at = time.monotonic()
 
-    def flush(self, wait: bool = True) -> bool:
-        """Add to Triton's counters what the engine counted since the last flush. wait=False:
-        return False at once if the timer thread is flushing right now (the caller then arms
-        a timer for the rest)."""
-        if not self._lock.acquire(blocking=wait):
-            return False
-        try:
-            latest = self._latest
-            for key, metric in self._by_key.items():
-                if latest[key] > self._seen[key]:
-                    metric.increment(latest[key] - self._seen[key])
-            self._seen = latest
-            self._flushed_at = time.monotonic()
-            return True
-        finally:
-            self._lock.release()
+    def close(self) -> None:
+        """Drop the metric objects while the stub can still tell the server (finalize): left to
+        the interpreter's exit, their destructors run after the stub's shared memory is gone
+        and crash the stub (a segfault in Metric::Clear on every unload)."""
+        self._by_key, self._counters, self._steps, self._backend, self._families = {}, {}, {}, [], {}
+        gc.collect()

@@ -291,6 +291,7 @@ def serve_supervised(opts: ServerOptions) -> int:
     def shutdown(signum: int, _frame: object) -> None:
         nonlocal stopping
         stopping = True
+        print(f"pergola: {signal.Signals(signum).name} received; shutting tritonserver down", flush=True)
         if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
 

@@ -76,13 +76,15 @@ class Throughput:
 
 class EncodeLoop:
     def __init__(self, engine: Engine, max_queue_seconds: float = 0.0,
-                 on_step: Callable[[], None] | None = None,
+                 on_step: Callable[[], None] | None = None, on_idle: Callable[[], None] | None = None,
                  on_fatal: Callable[[BaseException], bool] | None = None) -> None:
-        """on_step: after each step (metrics). on_fatal(error) -> True when the error poisoned
-        the device: every job fails and the loop ends (the adapter then ends its process)."""
+        """on_step: after each step; on_idle: once the loop has been idle for a second (both
+        from the loop's thread: metrics). on_fatal(error) -> True when the error poisoned the
+        device: every job fails and the loop ends (the adapter then ends its process)."""
         self.engine = engine
         self.max_queue_seconds = max_queue_seconds
         self.on_step = on_step or (lambda: None)
+        self.on_idle = on_idle or (lambda: None)
         self.on_fatal = on_fatal or (lambda e: False)
         self.throughput = Throughput()
         self._queue = engine.new_queue()
@@ -160,13 +162,16 @@ class EncodeLoop:
 
             torch.cuda.set_device(self.engine.device)  # the current device is per thread
         inflight: tuple[Step, LazyTensor] | None = None
+
+        def woken() -> bool:
+            return bool(self._queue) or self._stopping
+
         while True:
+            if inflight is None and not self._wait(woken, timeout=1.0):
+                self._trimmer.now()  # idle for a second: give the heap back, tell the metrics
+                self.on_idle()
+                self._wait(woken)
             with self._cond:
-                if not self._queue and inflight is None and not self._stopping:
-                    if not self._cond.wait_for(lambda: bool(self._queue) or self._stopping, timeout=1.0):
-                        self._trimmer.now()  # idle for a second: give the heap back
-                        self._cond.wait_for(lambda: bool(self._queue) or self._stopping)
-                    self._busy_since = time.perf_counter()  # idle time is not work time
                 if self._stopping and inflight is None:
                     leftover = list(self._jobs.values())
                     self._jobs.clear()
@@ -187,6 +192,16 @@ class EncodeLoop:
             inflight = launched
         for job in leftover:
             job.fail(Unloading("the model was unloaded before this request was computed; retry"))
+
+    def _wait(self, woken: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Sleep until there is work (or shutdown); False if `timeout` passed first."""
+        with self._cond:
+            if woken():
+                return True
+            if not self._cond.wait_for(woken, timeout=timeout):
+                return False
+            self._busy_since = time.perf_counter()  # idle time is not work time
+            return True
 
     def _expire(self) -> list[tuple[Job, BaseException]]:
         """Drop queued jobs whose client is gone, or that can no longer finish before their
