@@ -137,6 +137,12 @@ def test_the_admin_token_opens_the_repository_api(served, tmp_path):
     assert status == 200, text
     assert marker.read_text() == "ran"
     assert http_call(served, "POST", "/v2/repository/models/x/unload", token=token)[0] == 200
+    # The unload finishes in the background (the uploaded model leaves the index at once); strict
+    # readiness is false until its stub has gone, ~1.5 s here.
+    deadline = time.monotonic() + 60
+    while not ready(served) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready(served), served.log_tail()
 
 
 def test_inference_and_health_stay_open(served, reference):
