@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import model_folder, parse_variants, pergola_embed  # noqa: E402
+from common import model_folder, parse_variants, pergola_embed  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.config import EngineConfig  # noqa: E402

@@ -17,57 +17,22 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import (  # noqa: E402
+    LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, parse_variants, pergola_embed, profile_step,
+    sync, time_latency, time_throughput)
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.config import EngineConfig  # noqa: E402
-from pergola.engine import EncodeRequest, Engine  # noqa: E402
+from pergola.engine import Engine  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
 from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
-from pergola.pooling import finish  # noqa: E402
-
-DEVICE = "cuda"  # --device cpu gives a quick dry run of the whole script on a laptop or CI box
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-LAT_LENGTHS = {"qwen3-0.6b": [128, 512, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
-TPUT_LENGTHS = {"qwen3-0.6b": [512, 1024, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
-QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny",
-                "qwen3-reranker-0.6b": "qwen3-0.6b", "qwen3-reranker-tiny": "tiny"}
-
-
-def percentiles(ms: list[float]) -> dict[str, float]:
-    a = np.asarray(ms)
-    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": int(a.size)}
-
-
-def model_folder(name: str, workdir: Path) -> Path:
-    """The benchmark's model folder: MiniLM's real weights, or a seeded Qwen3 in a published shape
-    (`qwen3-reranker-0.6b`: Qwen3-Reranker-0.6B, a causal LM scored on its yes/no logits)."""
-    if name == "minilm":
-        from pergola.cli import default_model_folder
-
-        return default_model_folder()
-    from pergola.testing import make_qwen3_folder, make_qwen3_reranker_folder
-
-    out = workdir / name
-    if not (out / "model.safetensors").exists():
-        if name.startswith("qwen3-reranker"):
-            make_qwen3_reranker_folder(out, shape=QWEN3_SHAPES[name], seed=0, dtype="bfloat16")
-        else:
-            make_qwen3_folder(out, shape=QWEN3_SHAPES[name], variant="causal-last", seed=0, dtype="bfloat16")
-    return out
 
 
 # --- FLOPs and the compute limit ------------------------------------------------------------
@@ -87,10 +52,10 @@ def flops_per_token(cfg: dict, seq_len: int, causal: bool) -> float:
 
 def matmul_tflops(n: int = 8192) -> float:
     """Measured bf16 matmul rate on random data (not zeros), the compute ceiling used here."""
-    if DEVICE != "cuda":
+    if common.DEVICE != "cuda":
         n = 1024
-    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=common.DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=common.DEVICE, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
     sync()
@@ -99,81 +64,6 @@ def matmul_tflops(n: int = 8192) -> float:
         a @ b
     sync()
     return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
-
-
-# --- pergola ---------------------------------------------------------------------------------
-def pergola_embed(engine: Engine, seqs: list[np.ndarray]) -> np.ndarray:
-    req = EncodeRequest(np.concatenate(seqs), np.array([len(s) for s in seqs], dtype=np.int32))
-    return finish(engine.encode([req])[0], 0, engine.spec.normalize)
-
-
-def time_latency(call, inputs: list, n: int, warmup: int = 3) -> dict:
-    for i in range(warmup):
-        call(inputs[i % len(inputs)])
-    ms = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        call(inputs[i % len(inputs)])
-        ms.append((time.perf_counter() - t0) * 1e3)
-    return percentiles(ms)
-
-
-def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        call(batch)
-    sync()
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        call(batch)
-        reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_seconds and reps >= 3:
-            break
-    tokens = sum(len(s) for s in batch) * reps
-    return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
-
-
-# --- Hugging Face transformers baseline -------------------------------------------------------
-class HFBaseline:
-    """AutoModel in BF16 with SDPA, padded batches of 32 (sentence-transformers' default)."""
-
-    def __init__(self, folder: Path, pooling: str, normalize: bool, device: str | None = None) -> None:
-        from tokenizers import Tokenizer
-        from transformers import AutoModel
-
-        self.device = device or DEVICE
-        self.model = AutoModel.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
-        self.model = self.model.to(self.device).eval()
-        self.pooling, self.normalize = pooling, normalize
-        self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-
-    def encode_texts(self, texts: list[str]) -> np.ndarray:
-        """Tokenize (HF tokenizers, as sentence-transformers does) and embed."""
-        return self([np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)])
-
-    @torch.inference_mode()
-    def __call__(self, seqs: list[np.ndarray], batch_size: int = 32) -> np.ndarray:
-        out = []
-        for i in range(0, len(seqs), batch_size):
-            chunk = seqs[i:i + batch_size]
-            n = max(len(s) for s in chunk)
-            ids = torch.zeros(len(chunk), n, dtype=torch.long)
-            mask = torch.zeros(len(chunk), n, dtype=torch.long)
-            for j, s in enumerate(chunk):  # right padding; last-token pooling reads each length
-                ids[j, :len(s)] = torch.from_numpy(s)
-                mask[j, :len(s)] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-            if self.pooling == "last":
-                emb = hidden[torch.arange(len(chunk)), mask.sum(1) - 1]
-            elif self.pooling == "cls":
-                emb = hidden[:, 0]
-            else:
-                emb = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-            if self.normalize:
-                emb = torch.nn.functional.normalize(emb, dim=-1)
-            out.append(emb.cpu().numpy())
-        return np.concatenate(out)
 
 
 # --- attention backends alone -----------------------------------------------------------------
@@ -185,18 +75,17 @@ def time_attention_backends(cfg: dict, causal: bool, names: list[str]) -> list[d
     for num_seqs, length in [(1, 128), (1, 512), (1, 4096), (16, 128), (32, 512), (8, 2048)]:
         lengths = [length] * num_seqs
         t = num_seqs * length
-        q = torch.randn(t, heads, d, device=DEVICE, dtype=torch.bfloat16)
-        k = torch.randn(t, kv, d, device=DEVICE, dtype=torch.bfloat16)
-        v = torch.randn(t, kv, d, device=DEVICE, dtype=torch.bfloat16)
+        q = torch.randn(t, heads, d, device=common.DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(t, kv, d, device=common.DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(t, kv, d, device=common.DEVICE, dtype=torch.bfloat16)
         row = {"num_seqs": num_seqs, "seq_len": length}
         ref = None
         for name in names:
             try:
                 t0 = time.perf_counter()
-                attn = make_backend(name, torch.device(DEVICE), torch.bfloat16)
-                meta = AttentionMetadata.build(lengths, torch.device(DEVICE), causal, padded=name == "sdpa")
-                if getattr(attn, "needs_plan", False):
-                    attn.plan(meta.cu_seqlens.cpu(), heads, kv, d, causal)
+                attn = make_backend(name, torch.device(common.DEVICE), torch.bfloat16)
+                meta = AttentionMetadata.build(lengths, torch.device(common.DEVICE), causal, padded=attn.needs_padding)
+                meta.plan = attn.plan(meta.cu_seqlens.cpu(), heads, kv, d, causal)
                 out = attn(q, k, v, meta)
                 sync()
                 setup_s = time.perf_counter() - t0
@@ -213,56 +102,21 @@ def time_attention_backends(cfg: dict, causal: bool, names: list[str]) -> list[d
     return rows
 
 
-def profile_step(engine: Engine, seqs: list[np.ndarray], steps: int = 10) -> str:
-    """Top kernels of `steps` calls (graph replays once warm): where the GPU time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        pergola_embed(engine, seqs)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            pergola_embed(engine, seqs)
-        sync()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-
-
-def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return float((a * b).sum(1).min())
-
-
-def parse_variants(specs: list[str]) -> dict[str, dict]:
-    """["fa3:attention_backend=flashinfer_fa3,max_batch_tokens=32768"] -> {"fa3": {...}} (typed)."""
-    types = {f.name: f.type for f in fields(EngineConfig)}
-    out: dict[str, dict] = {}
-    for spec in specs:
-        label, _, body = spec.partition(":")
-        overrides: dict = {}
-        for item in filter(None, body.split(",")):
-            key, _, value = item.partition("=")
-            if key not in types:
-                raise SystemExit(f"--variant {spec}: {key} is not an EngineConfig field")
-            overrides[key] = int(value) if types[key] == "int" else \
-                value.lower() in ("1", "true", "yes") if types[key] == "bool" else value
-        out[label] = overrides
-    return out
-
-
 def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops: float) -> dict:
     folder = model_folder(name, workdir)
     spec = load_model_spec(folder)
     windows = TokenWindows(spec.tokenizer_file)
+    device = common.DEVICE
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16"))
+    engine = Engine(EngineConfig(model_dir=str(folder), device=device, dtype="bfloat16"))
     sync()
     load_s = time.perf_counter() - t0
-    eager = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", enforce_eager=True))
+    eager = Engine(EngineConfig(model_dir=str(folder), device=device, dtype="bfloat16", enforce_eager=True))
     # The same engine with other settings ("NAME:field=value,field=value"), timed side by side.
     variants, variant_errors = {}, {}
     for label, overrides in parse_variants(args.variant).items():
         try:
-            variants[label] = Engine(EngineConfig(model_dir=str(folder), device=DEVICE, dtype="bfloat16", **overrides))
+            variants[label] = Engine(EngineConfig(model_dir=str(folder), device=device, dtype="bfloat16", **overrides))
         except Exception as e:  # noqa: BLE001 - e.g. a kernel without a build for this head size
             variant_errors[label] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"{name}: variant {label} unavailable: {variant_errors[label][:200]}", flush=True)
@@ -308,7 +162,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
         print(f"{name} 100 x {length:5d} tok: pergola {p['embeddings_per_s']:.0f} emb/s "
               f"({p['tokens_per_s'] / 1e3:.0f}k tok/s, {p['tokens_per_s'] / limit:.0%} of limit), "
               f"HF {h['embeddings_per_s']:.0f} emb/s{extra}, cos {check:.5f}", flush=True)
-    if args.profile and DEVICE == "cuda":
+    if args.profile and device == "cuda":
         for length in (128, 512):
             table = profile_step(engine, windows.ids(length, 1, seed=3))
             res[f"profile_batch1_{length}"] = table
@@ -317,7 +171,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     res["graph_stats"] = {} if graphs is None else vars(graphs.stats) | {"keys": sorted(graphs.stats.keys)}
     res["attention_backends"] = time_attention_backends(spec.hf_config, spec.causal, args.backends)
     del engine, eager, hf, variants
-    if DEVICE == "cuda":
+    if device == "cuda":
         torch.cuda.empty_cache()
     return res
 
@@ -335,15 +189,14 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the script")
     p.add_argument("--backends", nargs="+", default=["torch_flash", "sdpa", "flashinfer_fa2", "flashinfer_fa3"])
     args = p.parse_args()
-    global DEVICE
-    DEVICE = args.device
-    if DEVICE != "cuda":  # dry run: one length per model
+    common.DEVICE = args.device
+    if common.DEVICE != "cuda":  # dry run: one length per model
         for table in (LAT_LENGTHS, TPUT_LENGTHS):
             for k in table:
                 table[k] = table[k][:1]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-bench-"))
     limit = matmul_tflops()
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    gpu = torch.cuda.get_device_name() if common.DEVICE == "cuda" else "cpu (dry run)"
     print(f"bf16 matmul: {limit:.0f} TFLOP/s on {gpu}", flush=True)
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

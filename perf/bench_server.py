@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import HFBaseline, cosine_min, model_folder, percentiles, time_latency  # noqa: E402
+from common import HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.hf_folder import load_model_spec  # noqa: E402
@@ -177,7 +177,7 @@ class HFReranker:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pergola.models import _yes_no_ids
+        from pergola.rerank import answer_ids as _yes_no_ids
         from pergola.hf_folder import load_model_spec as spec_of
 
         self.torch, self.device = torch, device
@@ -252,9 +252,9 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/server.json")
     args = p.parse_args()
-    import bench_engine
+    import common
 
-    bench_engine.DEVICE = "cuda" if args.device == "gpu" else "cpu"
+    common.DEVICE = "cuda" if args.device == "gpu" else "cpu"
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     folder = model_folder(args.model, workdir)
@@ -308,7 +308,6 @@ def main() -> None:
             for length in tput_lengths:
                 row = {"pergola": run_throughput(url, windows, length, requests_per_proc=2 if quick else 4)}
                 if hf is not None:
-                    from bench_engine import time_throughput
                     row["hf"] = time_throughput(hf, windows.ids(length, 100, seed=9), min_seconds=1.0)
                 res["throughput"][length] = row
                 print(f"  throughput 100 x {length} tok, 4 procs: pergola "

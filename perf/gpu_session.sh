@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The measurements of one GPU-machine session, as named steps, each writing a log + JSON under $OUT.
+# The GPU measurements as named steps, each writing a log + JSON under $OUT (default perf/out).
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
-#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests tests hardening engine server scoring vllm vllm_inproc minilm
+#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
+#                                              # tests hardening engine server scoring vllm vllm_inproc minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -32,16 +33,16 @@ for step in "$@"; do
           run "profile_${seqs}x${len}_$mm" python3 perf/profile_step.py --seqs "$seqs" --length "$len" --matmul "$mm"
         done
       done ;;
-    prefetch)  # L2 prefetch of the next weight vs the batch-1 matmul chain, per prefetch kernel config
-      run prefetch python3 perf/bench_prefetch.py --out "$OUT/prefetch.json" ;;
-    attnlayout)  # each attention kernel on contiguous q/k/v vs views into the qkv buffer
-      run attn_layout python3 perf/bench_attn_layout.py --shapes 4x4096 8x2048 16x1024 32x512 --out "$OUT/attn_layout.json" ;;
+    prefetch)  # experiment: L2 prefetch of the next weight vs the batch-1 matmul chain, per prefetch kernel config
+      run prefetch python3 perf/experiments/bench_prefetch.py --out "$OUT/prefetch.json" ;;
+    attnlayout)  # experiment: each attention kernel on contiguous q/k/v vs views into the qkv buffer
+      run attn_layout python3 perf/experiments/bench_attn_layout.py --shapes 4x4096 8x2048 16x1024 32x512 --out "$OUT/attn_layout.json" ;;
     anatomy)  # host vs GPU-busy time per call and kernel time by kind; start-up phases
       run anatomy python3 perf/anatomy.py --shapes 1x128 1x512 100x512 100x1024 100x4096 --out "$OUT/anatomy.json" ;;
     gputests)  # the GPU-marked engine tests only (kernels, probe, graphs), a few minutes
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py \
         tests/test_attention_probe.py ;;
-    tests)  # the whole suite with the session server's encoders on the GPU, plus the gpu-marked tests
+    tests)  # the whole suite with the test server's encoders on the GPU, plus the gpu-marked tests
       # (the soak runs in the `hardening` step, on the Qwen3 shape, to fit the 10-minute command)
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests --deselect tests/test_soak.py ;;
     hardening)  # overload flood, fuzz and soak against `pergola serve` with the Qwen3-0.6B shape on the GPU
@@ -80,6 +81,7 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
         --suites inproc server --out "$OUT/vllm_minilm.json") ;;
-    *) echo "unknown step $step (gemm profile gputests tests engine server scoring vllm minilm)" >&2; exit 2 ;;
+    *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening engine server" \
+         "scoring vllm vllm_inproc minilm)" >&2; exit 2 ;;
   esac
 done

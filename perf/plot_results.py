@@ -1,12 +1,11 @@
-"""Plots for perf/RESULTS.md from the JSON files one GPU session wrote.
+"""Plots for perf/RESULTS.md from the JSON files of one run on the GPU machine.
 
-    python perf/plot_results.py perf/results/2026-12-02-session2
+    python perf/plot_results.py perf/results/2026-12-02-5990553
 
 Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py),
 vllm.json or vllm_inproc.json (bench_vllm.py) and anatomy.json (anatomy.py); writes
 latency_batch1.png, throughput.png, concurrency.png, scoring.png, attention_kernels.png and
 anatomy.png next to them. A plot whose input file is missing is skipped with a note.
-(The earlier folder, perf/results/2026-12-02, keeps its PNGs; this script no longer reads its logs.)
 """
 
 from __future__ import annotations
@@ -269,4 +268,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "perf/results/2026-12-02-session2"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "perf/results/2026-12-02-5990553"))

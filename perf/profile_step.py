@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import model_folder, profile_step  # noqa: E402
+from common import model_folder, pergola_embed, profile_step, sync  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.config import EngineConfig  # noqa: E402
@@ -38,8 +38,6 @@ def kernel_grids(engine: Engine, seqs) -> str:
     for the matmuls (torch.profiler's trace gives each kernel's grid and block)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from bench_engine import pergola_embed, sync
 
     for _ in range(3):
         pergola_embed(engine, seqs)

@@ -1,6 +1,6 @@
 """Does the attention kernel care whether q, k, v are contiguous or views into the fused qkv buffer?
 
-    python perf/bench_attn_layout.py
+    python perf/experiments/bench_attn_layout.py
 
 In the model, q/k/v are strided views of the qkv projection's output [T, (16 + 2 * 8) * 128] (no
 copy); the start-up probe times contiguous tensors. This times each kernel both ways on the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_models"))
 from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
 from pergola.layers.attention_probe import candidates  # noqa: E402
 
@@ -48,9 +48,8 @@ def main() -> None:
             seqs, length = map(int, shape.split("x"))
             t = seqs * length
             cu_host = torch.arange(0, t + 1, length, dtype=torch.int32)
-            meta = AttentionMetadata(cu_seqlens=cu_host.to(dev), max_seqlen=length, causal=True)
-            if getattr(attn, "needs_plan", False):
-                attn.plan(cu_host, HEADS, KV_HEADS, HEAD_DIM, True)
+            meta = AttentionMetadata(cu_seqlens=cu_host.to(dev), max_seqlen=length, causal=True,
+                                     plan=attn.plan(cu_host, HEADS, KV_HEADS, HEAD_DIM, True))
             flops = 4 * seqs * length * length * HEADS * HEAD_DIM / 2
             for strided in (False, True):
                 layers = [inputs(t, strided, dev) for _ in range(LAYERS)]

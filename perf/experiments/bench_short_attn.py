@@ -1,6 +1,6 @@
 """Attention kernels on the short steps of online queries, as a graph step runs them.
 
-    python perf/bench_short_attn.py [--shapes 1x128 1x512 8x128] [--out short_attn.json]
+    python perf/experiments/bench_short_attn.py [--shapes 1x128 1x512 8x128] [--out short_attn.json]
 
 For each shape (sequences x tokens each, Qwen3-0.6B heads 16/8 x 128, causal, BF16) every
 available backend and a few tile choices of the Triton kernel (pergola.layers.triton_attention)
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_models"))
 from pergola.cudagraph import capture  # noqa: E402
 from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
 from pergola.layers.attention_probe import candidates  # noqa: E402
@@ -72,8 +72,7 @@ def main() -> None:
         ref = make_backend("torch_flash", dev, torch.bfloat16)(*layers[0], meta)
         row: dict[str, float] = {}
         for name, attn in backends.items():
-            if getattr(attn, "needs_plan", False):
-                attn.plan(cu_host, HEADS, KV_HEADS, HEAD_DIM, causal, graph_key=(seqs, t))
+            meta.plan = attn.plan(cu_host, HEADS, KV_HEADS, HEAD_DIM, causal, graph_key=(seqs, t))
             row[name] = time_graph(lambda: [attn(q, k, v, meta) for q, k, v in layers])  # noqa: B023
         for bm, bn, warps, stages in TILES:
             def call(q, k, v):  # noqa: ANN001, ANN202

@@ -1,14 +1,15 @@
 """Start-up cost of the Triton attention kernel: first call (JIT compile) vs later calls, empty cache.
 
-    TRITON_CACHE_DIR=$(mktemp -d) python3 perf/results/2026-12-03-session8/compile_cost.py
+    TRITON_CACHE_DIR=$(mktemp -d) python3 perf/experiments/compile_cost.py
 """
+
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "python_models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_models"))
 from pergola.layers.fused import split_qkv  # noqa: E402
 from pergola.layers.triton_attention import ragged_attention  # noqa: E402
 

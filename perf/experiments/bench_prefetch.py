@@ -1,6 +1,6 @@
 """Does prefetching the next weight into L2 speed up batch-1 matmuls? Timed in CUDA graphs.
 
-    python perf/bench_prefetch.py [--m 128] [--out prefetch.json]
+    python perf/experiments/bench_prefetch.py [--m 128] [--out prefetch.json]
 
 The 112 matmuls of a Qwen3-0.6B forward (28 layers x qkv, o, gate_up, down; distinct weights,
 0.88 GB) at M tokens, replayed from one CUDA graph after L2 has been flushed, four ways:
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_models"))
 from pergola.cudagraph import capture  # noqa: E402
 from pergola.layers.linear import linear  # noqa: E402
 

@@ -1,0 +1,170 @@
+"""What the benchmarks share: the device they time on, the model folders they build, pergola's
+embed call, the timers, the Hugging Face transformers baseline and the output check.
+
+Imported with perf/ on sys.path (`sys.path.insert(0, <perf>)`, then `from common import ...`) by
+bench_engine.py, bench_server.py, bench_vllm.py, anatomy.py, profile_step.py and
+experiments/cpu_stalls.py. A script that times on the CPU sets `common.DEVICE = "cpu"` first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pergola.config import EngineConfig
+from pergola.engine import EncodeRequest, Engine
+from pergola.pooling import finish
+
+DEVICE = "cuda"  # "cpu" gives a quick dry run of a benchmark on a laptop or CI box
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# Batch-1 latency lengths and throughput lengths (100 texts per call) per model, in tokens.
+LAT_LENGTHS = {"qwen3-0.6b": [128, 512, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
+TPUT_LENGTHS = {"qwen3-0.6b": [512, 1024, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
+QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny",
+                "qwen3-reranker-0.6b": "qwen3-0.6b", "qwen3-reranker-tiny": "tiny"}
+
+
+def percentiles(ms: list[float]) -> dict[str, float]:
+    a = np.asarray(ms)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": int(a.size)}
+
+
+def model_folder(name: str, workdir: Path) -> Path:
+    """The benchmark's model folder: MiniLM's real weights, or a seeded Qwen3 in a published shape
+    (`qwen3-reranker-0.6b`: Qwen3-Reranker-0.6B, a causal LM scored on its yes/no logits)."""
+    if name == "minilm":
+        from pergola.cli import default_model_folder
+
+        return default_model_folder()
+    from pergola.testing import make_qwen3_folder, make_qwen3_reranker_folder
+
+    out = workdir / name
+    if not (out / "model.safetensors").exists():
+        if name.startswith("qwen3-reranker"):
+            make_qwen3_reranker_folder(out, shape=QWEN3_SHAPES[name], seed=0, dtype="bfloat16")
+        else:
+            make_qwen3_folder(out, shape=QWEN3_SHAPES[name], variant="causal-last", seed=0, dtype="bfloat16")
+    return out
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """["fa3:attention_backend=flashinfer_fa3,max_batch_tokens=32768"] -> {"fa3": {...}} (typed)."""
+    types = {f.name: f.type for f in fields(EngineConfig)}
+    out: dict[str, dict] = {}
+    for spec in specs:
+        label, _, body = spec.partition(":")
+        overrides: dict = {}
+        for item in filter(None, body.split(",")):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise SystemExit(f"--variant {spec}: {key} is not an EngineConfig field")
+            overrides[key] = int(value) if types[key] == "int" else \
+                value.lower() in ("1", "true", "yes") if types[key] == "bool" else value
+        out[label] = overrides
+    return out
+
+
+# --- pergola -----------------------------------------------------------------------------------
+def pergola_embed(engine: Engine, seqs: list[np.ndarray]) -> np.ndarray:
+    req = EncodeRequest(np.concatenate(seqs), np.array([len(s) for s in seqs], dtype=np.int32))
+    return finish(engine.encode([req])[0], 0, engine.spec.normalize)
+
+
+def profile_step(engine: Engine, seqs: list[np.ndarray], steps: int = 10) -> str:
+    """Top kernels of `steps` calls (graph replays once warm): where the GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        pergola_embed(engine, seqs)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            pergola_embed(engine, seqs)
+        sync()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
+# --- timers ------------------------------------------------------------------------------------
+def time_latency(call, inputs: list, n: int, warmup: int = 3) -> dict:
+    for i in range(warmup):
+        call(inputs[i % len(inputs)])
+    ms = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        call(inputs[i % len(inputs)])
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(ms)
+
+
+def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        call(batch)
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        call(batch)
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds and reps >= 3:
+            break
+    tokens = sum(len(s) for s in batch) * reps
+    return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
+
+
+# --- Hugging Face transformers baseline and the output check -----------------------------------
+class HFBaseline:
+    """AutoModel in BF16 with SDPA, padded batches of 32 (sentence-transformers' default)."""
+
+    def __init__(self, folder: Path, pooling: str, normalize: bool, device: str | None = None) -> None:
+        from tokenizers import Tokenizer
+        from transformers import AutoModel
+
+        self.device = device or DEVICE
+        self.model = AutoModel.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
+        self.model = self.model.to(self.device).eval()
+        self.pooling, self.normalize = pooling, normalize
+        self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+
+    def encode_texts(self, texts: list[str]) -> np.ndarray:
+        """Tokenize (HF tokenizers, as sentence-transformers does) and embed."""
+        return self([np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)])
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[np.ndarray], batch_size: int = 32) -> np.ndarray:
+        out = []
+        for i in range(0, len(seqs), batch_size):
+            chunk = seqs[i:i + batch_size]
+            n = max(len(s) for s in chunk)
+            ids = torch.zeros(len(chunk), n, dtype=torch.long)
+            mask = torch.zeros(len(chunk), n, dtype=torch.long)
+            for j, s in enumerate(chunk):  # right padding; last-token pooling reads each length
+                ids[j, :len(s)] = torch.from_numpy(s)
+                mask[j, :len(s)] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+            if self.pooling == "last":
+                emb = hidden[torch.arange(len(chunk)), mask.sum(1) - 1]
+            elif self.pooling == "cls":
+                emb = hidden[:, 0]
+            else:
+                emb = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            if self.normalize:
+                emb = torch.nn.functional.normalize(emb, dim=-1)
+            out.append(emb.cpu().numpy())
+        return np.concatenate(out)
+
+
+def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return float((a * b).sum(1).min())
