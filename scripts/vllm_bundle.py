@@ -22,7 +22,6 @@ The host's torch 2.11.0+cu130 is vLLM's pin.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
@@ -33,22 +32,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bundle import (  # noqa: E402 - the same packing into parts as pergola's own bundle
-    HARD_LIMIT,
-    MANIFEST_ROOM,
-    MB,
-    Item,
-    Part,
-    build_qwen3_tokenizer,
-    log,
-    pack,
-    report_parts,
-    sha256_file,
-    write_parts,
+from bundle_common import (  # noqa: E402 - the same downloads and packing into parts as pergola's own bundle
+    BUNDLE, MB, REPO, Item, add_part_size_option, build_qwen3_tokenizer, download_wheel, log, norm_name, part_limit,
+    report_parts, sha256_file, split_into_parts,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-BUNDLE = REPO / ".bundle"
 CACHE = REPO / ".cache" / "vllm_bundle"
 FORMAT = "pergola-vllm-bundle 1"
 PART_PREFIX = "vllm_part"
@@ -103,41 +91,15 @@ SERVER_DEPS = [
 ]
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
 def download(req: str, py: str) -> Path:
     """One wheel of `req` for CPython `py` on manylinux x86_64 (no dependencies), cached."""
-    dl = CACHE / "dl"
-    dl.mkdir(parents=True, exist_ok=True)
-    name, _, version = req.partition("==")
-    abi = "cp" + py.replace(".", "")
-    for whl in sorted(dl.glob("*.whl")):
-        dist, ver, *_, pytag, abitag, _plat = whl.stem.split("-")
-        pure = abitag == "none" and all(t.startswith("py") for t in pytag.split("."))
-        stable = abitag == "abi3" and pytag.startswith("cp") and int(pytag[2:]) <= int(abi[2:])  # cp39-abi3: 3.9+
-        if _norm(dist) == _norm(name) and ver == version and (pure or stable or abitag == abi):
-            return whl
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", py,
-           "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none", "-d", str(dl),
-           "--disable-pip-version-check", "--progress-bar", "off"]
-    for plat in PLATFORMS + ["any"]:
-        cmd += ["--platform", plat]
-    log(f"  pip download {req}")
-    r = subprocess.run(cmd + [req], check=False, capture_output=True, text=True)
-    found = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", r.stdout)
-    if r.returncode != 0 or not found:
-        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
-        raise SystemExit(f"pip download {req} failed (is {req} on the index for Python {py}? "
-                         "see /work/.library/env/packages/pypi.tsv for the newest version)")
-    return (dl / Path(found[-1]).name).resolve()
+    return download_wheel(req, CACHE / "dl", py, PLATFORMS)
 
 
 def slim_wheel(whl: Path) -> Path:
     """`whl` without SLIM's dropped files and with debug info stripped from its libraries (cached).
     The setup script unzips wheels, so the stale RECORD does not matter."""
-    rule = SLIM.get(_norm(whl.name.split("-")[0]))
+    rule = SLIM.get(norm_name(whl.name.split("-")[0]))
     if rule is None:
         return whl
     out = CACHE / "slim" / f"v{SLIM_VERSION}" / whl.name
@@ -218,13 +180,11 @@ def build_vllm_tar(whl: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part-mb", type=float, default=60, help="largest part in MB (10^6 bytes), at most 60")
+    add_part_size_option(ap)
     ap.add_argument("--python", default="3.12", help="the GPU host's Python (3.12); another only for local tests")
     ap.add_argument("--out-dir", default=str(BUNDLE), help="where the parts go (default .bundle/)")
     args = ap.parse_args()
-    limit = int(args.part_mb * MB)
-    if limit > HARD_LIMIT:
-        raise SystemExit("--part-mb may not exceed 60")
+    limit = part_limit(args.part_mb)
 
     log(f"[1/3] downloading for CPython {args.python} (cached in {CACHE.relative_to(REPO)}/dl)")
     vllm_whl = download(VLLM, args.python)
@@ -246,8 +206,7 @@ def main() -> None:
     # The Qwen3 tokenizer (1.4 MB), from which perf/bench_vllm.py builds the seeded model folders:
     # the vLLM baseline then needs none of pergola's own bundle on the GPU host.
     items.append(Item("tokenizer-qwen3.tar.xz", build_qwen3_tokenizer(), "cache {file}"))
-    parts = pack(items, [(vllm_tar, "vllm.tar.xz")], limit - MANIFEST_ROOM)
-    dirs = write_parts(parts, limit, Path(args.out_dir), PART_PREFIX, FORMAT)
+    dirs = split_into_parts(items, [(vllm_tar, "vllm.tar.xz")], limit, Path(args.out_dir), PART_PREFIX, FORMAT)
     shown = Path(args.out_dir).resolve()
     shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
     log(f"\nwrote {len(dirs)} parts into {shown}/ (limit {limit / MB:.0f} MB each; "

@@ -25,7 +25,10 @@ from pathlib import Path
 from pergola.admin import redact, restricted_api_flags
 from pergola.options import option
 
-DEFAULT_CACHE = Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
+
+def cache_dir() -> Path:
+    """pergola's cache folder: $PERGOLA_CACHE, else ~/.cache/pergola (Triton backends, the Qwen3 tokenizer)."""
+    return Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
 
 
 class ServerError(RuntimeError):
@@ -58,8 +61,9 @@ class TritonInstall:
     lib_dirs: list[Path]
 
     @classmethod
-    def prepare(cls, cache: Path = DEFAULT_CACHE) -> "TritonInstall":
-        """Locate the wheel's server; assemble backends/python with this Python's stub (idempotent)."""
+    def prepare(cls, cache: Path | None = None) -> "TritonInstall":
+        """Locate the wheel's server; assemble backends/python with this Python's stub (idempotent)
+        in `cache` (default: cache_dir())."""
         root = _pytriton_root()
         server = root / "tritonserver"
         binary = server / "bin" / "tritonserver"
@@ -70,7 +74,7 @@ class TritonInstall:
         stub = server / "python_backend_stubs" / pyver / "triton_python_backend_stub"
         if not stub.is_file():
             raise ServerError(f"nvidia-pytriton ships no Python backend stub for Python {pyver}")
-        backend_dir = cache / "triton-backends"
+        backend_dir = (cache or cache_dir()) / "triton-backends"
         python_dir = backend_dir / "python"
         marker = python_dir / ".source"
         if not marker.is_file() or marker.read_text() != str(stub):

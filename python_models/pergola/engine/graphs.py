@@ -50,7 +50,6 @@ class GraphStats:
     eager_warmups: int = 0
     captures: int = 0
     replays: int = 0
-    eager_large: int = 0  # steps above the crossover
     keys: set[tuple[int, int]] = field(default_factory=set)
 
 
