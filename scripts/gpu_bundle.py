@@ -52,6 +52,29 @@ WHEELS = [
     # tritonclient 2.73's generated gRPC/protobuf code checks these at import time
     ("protobuf==6.33.6", "if:protobuf>=6.33.5,<7"),
     ("grpcio==1.85.3", "if:grpcio>=1.81.1"),
+    # the gateway (pergola.gateway)
+    ("starlette==1.10.0", "site"),
+    ("uvicorn==0.55.0", "site"),
+    ("uvloop==0.23.0", "site"),
+    ("httptools==0.9.0", "site"),
+    ("orjson==3.13.0", "site"),
+    ("anyio==4.16.0", "if:anyio>=4.7"),
+    ("h11==0.16.0", "if:h11>=0.8"),
+    ("idna==3.20", "if:idna>=2.8"),
+    ("sniffio==1.3.1", "if:sniffio>=1.1"),
+    ("click==8.5.1", "if:click>=7"),
+    ("typing_extensions==4.16.0", "if:typing_extensions>=4.12"),
+    # its tests' client (the openai SDK)
+    ("openai==3.60.0", "site"),
+    ("httpx==0.29.0", "if:httpx>=0.23"),
+    ("httpcore==1.0.9", "if:httpcore>=1"),
+    ("pydantic==2.14.4", "if:pydantic>=2"),
+    ("pydantic_core==2.50.5", "if:pydantic>=2"),
+    ("annotated-types==0.8.0", "if:annotated-types>=0.6"),
+    ("typing-inspection==0.4.5", "if:typing-inspection>=0.4"),
+    ("jiter==0.19.0", "if:jiter>=0.4"),
+    ("distro==1.9.0", "if:distro>=1.7"),
+    ("certifi==2026.10.19.post1", "if:certifi"),
 ]
 FLASHINFER = "flashinfer-python==0.5.3"
 # FlashInfer JIT-compiles its kernels on first use (fa2 ~21 s, fa3 ~66 s on the H200). When nvcc is

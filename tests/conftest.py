@@ -145,6 +145,7 @@ class ServeProcess:
     grpc: int
     repo: Path
     log: Path
+    gateway: int = 0  # the gateway's HTTP port
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -165,11 +166,13 @@ def start_serve(root: Path, model: str, *args: str, wait: bool = True) -> ServeP
 
     from pergola.server import free_port, wait_ready
 
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, gateway = free_port(), free_port(), free_port(), free_port()
     repo, log = root / "repo", root / "serve.log"
     cmd = [sys.executable, "-m", "pergola.cli", "serve", "--model", model, "--repo", str(repo), "--device", "cpu",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args]
-    served = ServeProcess(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT), http, grpc, repo, log)
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--gateway-port", str(gateway), "--gateway-bind", "127.0.0.1", *args]
+    served = ServeProcess(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT), http, grpc, repo,
+                          log, gateway)
     if wait:
         try:
             wait_ready(http, served.proc, timeout=240)

@@ -79,7 +79,13 @@ def test_the_interval_passing_sends_the_next_update():
     assert totals(metrics)["tokens"] == 300
 
 
-def test_close_drops_the_metric_objects():
+def test_close_keeps_the_metric_objects_for_the_process():
+    """finalize must neither delete the series (the next version shares them) nor leave their
+    destructors to the interpreter's exit: each object keeps one reference forever."""
+    import sys
+
     metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"})
+    objects = [*metrics._families.values(), *metrics._counters.values(), *metrics._steps.values()]
+    before = [sys.getrefcount(o) for o in objects]
     metrics.close()
-    assert not metrics._families and not metrics._by_key
+    assert [sys.getrefcount(o) for o in objects] == [n + 1 for n in before]

@@ -9,18 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from pergola.cli import BuildOptions, options_markdown
+from pergola.cli import SERVE_SETS, BuildOptions, options_markdown
 from pergola.config import EngineConfig, TritonModelOptions
+from pergola.gateway.options import GatewayOptions
 from pergola.options import declared, env_name, flag_name, value_type
 from pergola.server import ServerOptions
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-CLASSES = [BuildOptions, ServerOptions, EngineConfig, TritonModelOptions]
+CLASSES = [BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions]
 ALL = [(cls, f) for cls in CLASSES for f in declared(cls)]
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    """The `serve` subparser, built the way `pergola serve` builds it."""
+def serve_parser(command: str = "serve") -> argparse.ArgumentParser:
+    """The `serve` (or another command's) subparser, built the way `pergola serve` builds it."""
     import pergola.cli as cli
 
     captured = {}
@@ -37,7 +38,12 @@ def serve_parser() -> argparse.ArgumentParser:
     finally:
         argparse.ArgumentParser.parse_args = real
     sub = next(a for a in captured["parser"]._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["serve"]
+    return sub.choices[command]
+
+
+def parser_for(f) -> argparse.ArgumentParser:
+    """`pergola gateway` for the gateway options `pergola serve` sets itself, else `serve`."""
+    return serve_parser("gateway" if f.name in SERVE_SETS else "serve")
 
 
 def other_value(f) -> tuple[str, object]:
@@ -65,8 +71,7 @@ def test_readme_holds_the_generated_options_table():
 
 
 def test_every_option_has_a_flag_and_a_row(capsys):
-    parser = serve_parser()
-    flags = {s for a in parser._actions for s in a.option_strings}
+    flags = {s for command in ("serve", "gateway") for a in serve_parser(command)._actions for s in a.option_strings}
     table = options_markdown()
     for cls, f in ALL:
         assert flag_name(f) in flags, f"{cls.__name__}.{f.name} has no flag"
@@ -78,7 +83,7 @@ def test_every_option_has_a_flag_and_a_row(capsys):
 def test_every_option_reads_its_environment_variable(monkeypatch, cls, f):
     raw, expected = other_value(f)
     monkeypatch.setenv(env_name(f), raw)
-    args = serve_parser().parse_args([])
+    args = parser_for(f).parse_args([])
     assert getattr(args, f.name) == expected
 
 

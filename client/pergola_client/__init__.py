@@ -40,9 +40,13 @@ def _protocol_module(protocol: str) -> Any:
 
 class PergolaClient:
     def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = "embed",
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, api_key: str | None = None) -> None:
+        """api_key: the server's key when `pergola serve --api-key` put inference behind it."""
         self.protocol = protocol
         self.model = model
+        # Triton's restricted-API header (gRPC: metadata with Triton's prefix); pergola.admin names it
+        header = "pergola-api-key" if protocol == "http" else "triton-grpc-protocol-pergola-api-key"
+        self._headers = {header: api_key} if api_key else None
         self._tc = _protocol_module(protocol)
         kwargs = {"network_timeout": timeout_s} if timeout_s and protocol == "http" else {}
         self._client = self._tc.InferenceServerClient(url or DEFAULT_URLS[protocol], **kwargs)
@@ -58,7 +62,7 @@ class PergolaClient:
         encoder refuses work it cannot finish in time and drops it once the time has passed,
         instead of computing answers nobody waits for."""
         requested = [self._tc.InferRequestedOutput(n) for n in outputs]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"headers": self._headers} if self._headers else {}
         if self._timeout:
             kwargs["timeout"] = int(self._timeout * 1e6)
             if self.protocol == "grpc":

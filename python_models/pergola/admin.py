@@ -23,6 +23,10 @@ ADMIN_HEADER = "pergola-admin-token"
 # Triton's gRPC frontend expects restricted-protocol keys with this prefix in the call metadata.
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
+# With `--api-key`, Triton's inference needs the key too: Triton's restricted APIs take a header
+# (gRPC: metadata with Triton's prefix), not `Authorization: Bearer`, which the gateway checks.
+API_KEY_HEADER = "pergola-api-key"
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 TOKEN_FILE_NAME = ".admin-token"
 # Triton parses `APIS:KEY=VALUE`; a token holds none of ':', '=', ',' or whitespace.
 _TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
@@ -36,9 +40,9 @@ def default_token_file(repo: str | Path) -> Path:
     return Path(repo).expanduser().resolve() / TOKEN_FILE_NAME
 
 
-def check_token(token: str, source: str) -> str:
+def check_token(token: str, source: str, what: str = "the admin token") -> str:
     if not _TOKEN_RE.fullmatch(token):
-        raise AdminError(f"the admin token in {source} must be 16-256 characters of A-Z a-z 0-9 . _ ~ + / - "
+        raise AdminError(f"{what} in {source} must be 16-256 characters of A-Z a-z 0-9 . _ ~ + / - "
                          "(no spaces, ':', '=' or ','); generate one with `python -c 'import secrets; "
                          "print(secrets.token_urlsafe(32))'`")
     return token
@@ -65,16 +69,23 @@ def write_token(path: str | Path, token: str | None = None) -> str:
     return token
 
 
-def restricted_api_flags(token: str) -> list[str]:
-    """tritonserver flags that put RESTRICTED_APIS behind the token on both protocols."""
+def restricted_api_flags(token: str, api_key: str | None = None) -> list[str]:
+    """tritonserver flags that put RESTRICTED_APIS behind the token on both protocols, and
+    inference behind `api_key` (header API_KEY_HEADER) when one is given."""
     apis = ",".join(RESTRICTED_APIS)
-    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={token}",
-            f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={token}"]
+    flags = [f"--http-restricted-api={apis}:{ADMIN_HEADER}={token}",
+             f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={token}"]
+    if api_key:
+        flags += [f"--http-restricted-api=inference:{API_KEY_HEADER}={api_key}",
+                  f"--grpc-restricted-protocol=inference:{API_KEY_HEADER}={api_key}"]
+    return flags
 
 
-def redact(cmd: list[str], token: str) -> list[str]:
-    """The command line with the token replaced, for logs."""
-    return [arg.replace(token, "***") for arg in cmd]
+def redact(cmd: list[str], *secrets: str | None) -> list[str]:
+    """The command line with the token and keys replaced, for logs."""
+    for secret in filter(None, secrets):
+        cmd = [arg.replace(secret, "***") for arg in cmd]
+    return cmd
 
 
 class RepositoryClient:

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 
 from pergola.admin import ADMIN_HEADER
 from pergola.config import EngineConfig, TritonModelOptions
+from pergola.gateway.options import GatewayOptions
 from pergola.options import add_arguments, markdown_table, option, values_from
 from pergola.server import ServerOptions
 from pergola_client import ENCODINGS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+# Gateway options `pergola serve` sets itself: its own Triton server and admin token file.
+SERVE_SETS = ("triton", "triton_admin_token_file")
 
 
 def default_model_folder() -> Path:
@@ -54,7 +57,7 @@ MODEL_ROW = ("| `--model [NAME=]FOLDER` | `PERGOLA_MODEL` | all-MiniLM-L6-v2 | a
 
 def options_markdown() -> str:
     """The README's options table, generated from the declarations."""
-    table = markdown_table([BuildOptions, ServerOptions, EngineConfig, TritonModelOptions])
+    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions])
     header, rule, *rows = table.splitlines()
     return "\n".join([header, rule, MODEL_ROW, *rows])
 
@@ -76,6 +79,11 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
     add_arguments(p, BuildOptions)
     add_arguments(p, EngineConfig, "model settings (each a config.pbtxt parameter)")
     add_arguments(p, TritonModelOptions, "Triton settings per model")
+
+
+def _add_key_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=(os.environ.get("PERGOLA_API_KEY") or "").split(",")[0] or None,
+                   help="the server's API key, if it has one [env PERGOLA_API_KEY: its first key]")
 
 
 def _use_gpu(device: str) -> bool:
@@ -122,17 +130,52 @@ def serve(args: argparse.Namespace) -> None:
         token = write_token(token_file)
     print(f"admin token: {token_file} (header {ADMIN_HEADER}: the repository, logging, trace and "
           "shared-memory APIs refuse calls without it)", flush=True)
-    opts = ServerOptions(repo=repo, admin_token=token, **values_from(args, ServerOptions))
-    if opts.model_control == "explicit":
-        raise SystemExit(serve_supervised(opts))
-    exec_foreground(opts, lock)
+    opts = ServerOptions(repo=repo, admin_token=token, api_key=inference_key(args), **values_from(args, ServerOptions))
+    gateway = start_gateway(args, opts, token_file)
+    try:
+        if opts.model_control == "explicit":
+            raise SystemExit(serve_supervised(opts))
+        exec_foreground(opts, lock)  # (the gateway ends with this process, whatever runs in it)
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(timeout=15)
+
+
+def inference_key(args: argparse.Namespace) -> str | None:
+    """The first API key: Triton's inference needs it too when the gateway asks for keys."""
+    from pergola.admin import AdminError, check_token
+    from pergola.gateway.options import GatewayOptions
+    from pergola.gateway.state import api_keys
+
+    keys = api_keys(GatewayOptions(**values_from(args, GatewayOptions)))
+    if not keys:
+        return None
+    try:
+        return check_token(keys[0], "--api-key", "an API key")
+    except AdminError as e:
+        raise SystemExit(f"pergola serve: {e}") from None
+
+
+def start_gateway(args: argparse.Namespace, server: "ServerOptions", token_file: Path):
+    """The gateway beside tritonserver (its gRPC port, its admin token), unless --gateway-port 0."""
+    from pergola.gateway.app import spawn
+
+    if not args.gateway_port:
+        return None
+    values = values_from(args, GatewayOptions) | {"triton": f"{server.local_host}:{server.grpc_port}",
+                                                   "triton_admin_token_file": str(token_file)}
+    opts = GatewayOptions(**values)
+    print(f"gateway: http://{opts.gateway_bind}:{opts.gateway_port} (OpenAI /v1/embeddings, Cohere/Jina "
+          f"/v1/rerank, TEI /embed /rerank /info /health)", flush=True)
+    return spawn(opts)
 
 
 def embed(args: argparse.Namespace) -> None:
     from pergola_client import PergolaClient
 
     texts = args.text or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name) as client:
+    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name, api_key=args.api_key) as client:
         vectors = client.embed(texts, prompt=args.prompt, dimensions=args.dimensions,
                                normalize=None if args.normalize is None else args.normalize == "true",
                                encoding=args.encoding)
@@ -161,10 +204,17 @@ def add_version(args: argparse.Namespace) -> None:
         raise SystemExit(f"add-version: {e}") from None
 
 
+def gateway(args: argparse.Namespace) -> None:
+    from pergola.gateway.app import run
+    from pergola.gateway.options import GatewayOptions
+
+    run(GatewayOptions(**values_from(args, GatewayOptions)))
+
+
 def rerank(args: argparse.Namespace) -> None:
     from pergola_client import PergolaClient
 
-    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name) as client:
+    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name, api_key=args.api_key) as client:
         result = client.rerank(args.query, args.documents, top_n=args.top_n)
     json.dump({"model": args.model_name, "results": [
         {"index": int(i), "score": float(result.scores[i]), "document": args.documents[i]} for i in result.indices
@@ -183,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("serve", help="build the repository and run tritonserver in the foreground")
     _add_repo_options(p)
     add_arguments(p, ServerOptions, "server")
+    add_arguments(p, GatewayOptions, "gateway (HTTP APIs on --gateway-port)", exclude=SERVE_SETS)
     p.set_defaults(func=serve)
 
     p = sub.add_parser("embed", help="embed TEXT... (or stdin lines) with a running server; prints JSON")
@@ -190,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", default=None, help="host:port (default localhost:8001 gRPC / 8000 HTTP)")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--model-name", default="embed")
+    _add_key_option(p)
     p.add_argument("--prompt", default=None, help="a prompt name of the model (e.g. query)")
     p.add_argument("--dimensions", type=int, default=None)
     p.add_argument("--normalize", choices=["true", "false"], default=None)
@@ -212,8 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", default=None, help="host:port (default localhost:8001 gRPC / 8000 HTTP)")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--model-name", default="rerank")
+    _add_key_option(p)
     p.add_argument("--top-n", type=int, default=None)
     p.set_defaults(func=rerank)
+
+    p = sub.add_parser("gateway", help="run the HTTP gateway (OpenAI, Cohere/Jina, TEI APIs) in front of Triton "
+                                       "server(s); `pergola serve` starts one itself")
+    add_arguments(p, GatewayOptions)
+    p.set_defaults(func=gateway)
 
     p = sub.add_parser("options", help="print the serving options (flag, environment variable, default)")
     p.add_argument("--markdown", action="store_true", help="as the README's table")

@@ -20,7 +20,7 @@ them from racing the loop's other traffic with the server.
 
 from __future__ import annotations
 
-import gc
+import ctypes
 import time
 from collections import Counter
 from typing import Any
@@ -70,8 +70,11 @@ class EncoderMetrics:
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:
-        """Drop the metric objects while the stub can still tell the server (finalize): left to
-        the interpreter's exit, their destructors run after the stub's shared memory is gone
-        and crash the stub (a segfault in Metric::Clear on every unload)."""
-        self._by_key, self._counters, self._steps, self._backend, self._families = {}, {}, {}, [], {}
-        gc.collect()
+        """Keep the metric objects alive for the rest of the process (finalize). Deleting them
+        removes counters that the model's next version has too (same names and labels: Triton
+        hands both the same series), which crashed tritonserver during a version swap under
+        traffic (heap corruption); left to the interpreter's exit, their destructors run after
+        the stub's shared memory is gone and crash the stub. One reference nobody drops avoids
+        both; the stub process ends right after."""
+        for obj in [*self._families.values(), *self._counters.values(), *self._steps.values(), *self._backend]:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

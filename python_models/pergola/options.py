@@ -83,10 +83,14 @@ def default_of(f: Field) -> Any:
     return None
 
 
-def add_arguments(parser: argparse.ArgumentParser | Any, cls: type, title: str | None = None) -> None:
-    """One flag per declared field of `cls`; its environment variable, when set, is the default."""
+def add_arguments(parser: argparse.ArgumentParser | Any, cls: type, title: str | None = None,
+                  exclude: Iterable[str] = ()) -> None:
+    """One flag per declared field of `cls` (but `exclude`: fields another group of the same
+    command already declares); its environment variable, when set, is the default."""
     group = parser.add_argument_group(title) if title else parser
     for f in declared(cls):
+        if f.name in exclude:
+            continue
         kind, _ = value_type(f)
         default = default_of(f)
         env = os.environ.get(env_name(f))
@@ -110,8 +114,8 @@ def metavar_of(f: Field) -> str:
 
 
 def values_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The parsed values of `cls`'s declared fields."""
-    return {f.name: getattr(args, f.name) for f in declared(cls)}
+    """The parsed values of `cls`'s declared fields (those the command has)."""
+    return {f.name: getattr(args, f.name) for f in declared(cls) if hasattr(args, f.name)}
 
 
 def default_text(f: Field) -> str:
@@ -136,3 +140,24 @@ def markdown_table(classes: Iterable[type]) -> str:
             help_text = f.metadata["help"].replace("|", "\\|")
             rows.append(f"| {name} | `{env_name(f)}` | {default_text(f)} | {help_text} |")
     return "\n".join(rows)
+
+
+def from_environment(cls: type) -> Any:
+    """An instance of `cls` from its PERGOLA_* environment variables (defaults where unset)."""
+    values = {}
+    for f in declared(cls):
+        raw = os.environ.get(env_name(f))
+        if raw is not None:
+            values[f.name] = convert(f, raw, env_name(f))
+    return cls(**values)
+
+
+def to_environment(obj: Any) -> dict[str, str]:
+    """The PERGOLA_* variables that give `obj`'s declared values (None left out), for a child
+    process that reads them with from_environment."""
+    out = {}
+    for f in declared(type(obj)):
+        value = getattr(obj, f.name)
+        if value is not None:
+            out[env_name(f)] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out

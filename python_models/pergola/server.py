@@ -119,6 +119,7 @@ class ServerOptions:
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    api_key: str | None = None  # inference needs it too (the gateway's first --api-key)
     extra: list[str] = field(default_factory=list)
 
     @property
@@ -143,7 +144,7 @@ def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
         f"--backend-config=python,shm-default-byte-size={opts.shm_bytes}",
         f"--backend-config=python,shm-growth-byte-size={opts.shm_bytes}",
         "--strict-readiness=true",
-        *restricted_api_flags(opts.admin_token),
+        *restricted_api_flags(opts.admin_token, opts.api_key),
         *(["--load-model=*"] if opts.model_control == "explicit" else []),
         *opts.extra,
     ]
@@ -287,7 +288,7 @@ def serve_supervised(opts: ServerOptions) -> int:
     install = TritonInstall.prepare()
     shm_prefix = f"pergola_{os.getpid()}_"
     cmd = server_command(install, opts) + [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
-    print("+ " + " ".join(redact(cmd, opts.admin_token)), flush=True)
+    print("+ " + " ".join(redact(cmd, opts.admin_token, opts.api_key)), flush=True)
     supervisor = Supervisor(opts.repo, RepositoryClient(f"{opts.local_host}:{opts.http_port}", opts.admin_token))
     stopping = False
     proc: subprocess.Popen | None = None
@@ -335,7 +336,7 @@ def exec_foreground(opts: ServerOptions, lock: RepoLock | None = None) -> None:
     """Replace this process with tritonserver (`make serve`): signals go straight to it."""
     install = TritonInstall.prepare()
     cmd = server_command(install, opts)
-    print("+ " + " ".join(redact(cmd, opts.admin_token)), flush=True)
+    print("+ " + " ".join(redact(cmd, opts.admin_token, opts.api_key)), flush=True)
     if lock is not None:
         lock.keep_across_exec()
     os.execve(cmd[0], cmd, install.env())

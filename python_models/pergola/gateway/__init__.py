@@ -1,0 +1,11 @@
+"""The gateway: the HTTP APIs embedding and rerank clients already speak, in front of Triton.
+
+    client --HTTP/JSON--> gateway (Starlette on uvicorn, one event loop per worker)
+                              |  parse + check limits, cut into chunks (backend.py)
+                              +--gRPC (tritonclient aio)--> Triton replica 1 .. N (replicas.py)
+
+OpenAI `/v1/embeddings` (openai_api.py), Cohere/Jina `/v1/rerank` (rerank_api.py), TEI `/embed`,
+`/rerank`, `/info`, `/health` (tei_api.py); keys and envelopes in http.py and errors.py; the
+served models are read from Triton (catalog.py). `pergola serve` starts it beside tritonserver
+(port 8080); `pergola gateway --triton HOST:PORT,...` runs it alone.
+"""

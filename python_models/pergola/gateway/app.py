@@ -1,0 +1,85 @@
+"""The gateway's ASGI app (Starlette on uvicorn) and how it runs.
+
+Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
+/v1/rerank, /v2/rerank; TEI /embed, /info, /health; /rerank takes either form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.routing import Route
+
+from pergola.gateway import openai_api, rerank_api, tei_api
+from pergola.gateway.http import Keys, endpoint
+from pergola.gateway.options import GatewayOptions
+from pergola.gateway.state import Gateway, api_keys
+from pergola.options import from_environment, to_environment
+
+GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
+
+
+def build_app(opts: GatewayOptions) -> Starlette:
+    holder: dict[str, Gateway] = {}
+
+    def bound(handler: GatewayHandler) -> Callable[[Request], Awaitable[Any]]:
+        return lambda request: handler(holder["gateway"], request)
+
+    def route(path: str, family: str, handler: GatewayHandler, method: str = "POST", key: bool = True) -> Route:
+        return Route(path, endpoint(family, bound(handler), keys), methods=[method])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gateway = Gateway(opts)  # inside the running loop: gRPC aio channels belong to it
+        holder["gateway"] = gateway
+        try:
+            yield
+        finally:
+            await gateway.pool.close()
+
+    keys = Keys(api_keys(opts))
+
+    async def rerank_either(request: Request) -> Any:
+        return await tei_api.rerank_either(holder["gateway"], keys, request)
+    routes = [
+        route("/v1/embeddings", "openai", openai_api.embeddings),
+        route("/v1/models", "openai", openai_api.models, "GET"),
+        route("/v1/rerank", "cohere", rerank_api.rerank_route),
+        route("/v2/rerank", "cohere", rerank_api.rerank_route),
+        Route("/rerank", rerank_either, methods=["POST"]),
+        route("/embed", "tei", tei_api.embed),
+        route("/info", "tei", tei_api.info, "GET"),
+        Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def create_app() -> Starlette:
+    """The app from PERGOLA_* environment variables (what each uvicorn worker process runs)."""
+    return build_app(from_environment(GatewayOptions))
+
+
+def spawn(opts: GatewayOptions) -> subprocess.Popen:
+    """`pergola gateway` as a child process that ends with its parent (`pergola serve`)."""
+    from pergola.server import _die_with_parent
+
+    env = dict(os.environ) | to_environment(opts)
+    return subprocess.Popen([sys.executable, "-m", "pergola.cli", "gateway"], env=env, preexec_fn=_die_with_parent)
+
+
+def run(opts: GatewayOptions) -> None:
+    import uvicorn
+
+    kwargs: dict[str, Any] = dict(host=opts.gateway_bind, port=opts.gateway_port, log_level="warning",
+                                  access_log=False, timeout_graceful_shutdown=10)
+    if opts.gateway_workers > 1:  # workers import the app themselves: hand them the options
+        os.environ.update(to_environment(opts))
+        uvicorn.run("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers, **kwargs)
+    else:
+        uvicorn.run(build_app(opts), **kwargs)

@@ -1,0 +1,147 @@
+"""What the routes ask of Triton: embeddings of texts or token ids, rerank scores; each request
+cut into chunks that run concurrently on the replicas and are put back together in order.
+
+A chunk is at most `chunk_texts` texts and `chunk_chars` characters (a longer text is a chunk of
+its own). A text's result never depends on how it was cut: the engine computes every sequence
+on its own (ragged batches), which tests/test_gateway.py checks against unsplit answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import InferInput, InferRequestedOutput
+
+from pergola.admin import GRPC_API_KEY_HEADER
+from pergola.gateway.catalog import ServedModel
+from pergola.gateway.replicas import ReplicaPool
+
+# Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
+OUTPUTS = {
+    "float32": ("EMBEDDING", np.float32),
+    "float16": ("EMBEDDING_FP16", np.float16),
+    "int8": ("EMBEDDING_INT8", np.int8),
+    "binary": ("EMBEDDING_BINARY", np.uint8),
+}
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    prompt_name: str | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate: bool | None = None
+    encoding: str = "float32"  # a key of OUTPUTS
+
+
+@dataclass
+class Embedded:
+    vectors: np.ndarray  # [n, dim] of OUTPUTS[encoding]'s dtype ([n, ceil(dim / 8)] for binary)
+    tokens: np.ndarray  # [n] int: tokens per input after truncation
+
+
+def chunks(sizes: Sequence[int], max_items: int, max_size: int) -> list[tuple[int, int]]:
+    """[start, end) ranges over items of `sizes`: at most max_items items and max_size in total
+    (an item over max_size alone)."""
+    out, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (i - start >= max_items or total + size > max_size):
+            out.append((start, i))
+            start, total = i, 0
+        total += size
+    if sizes:
+        out.append((start, len(sizes)))
+    return out
+
+
+def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
+    tensor = InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
+    """The optional embed inputs a request sets ([1] for the ensemble, [1, 1] for an encoder)."""
+    inputs = []
+    if opts.prompt_name is not None:
+        inputs.append(_tensor("PROMPT_NAME", np.array([opts.prompt_name.encode()], dtype=object), "BYTES"))
+    if opts.dimensions is not None:
+        inputs.append(_tensor("DIMENSIONS", np.array([opts.dimensions], dtype=np.int32).reshape(shape), "INT32"))
+    if opts.normalize is not None:
+        inputs.append(_tensor("NORMALIZE", np.array([opts.normalize], dtype=bool).reshape(shape), "BOOL"))
+    if opts.truncate is not None:
+        inputs.append(_tensor("TRUNCATE", np.array([opts.truncate], dtype=bool).reshape(shape), "BOOL"))
+    if opts.encoding != "float32":  # (left out otherwise: the plain request of older servers)
+        inputs.append(_tensor("ENCODING", np.array([opts.encoding.encode()], dtype=object).reshape(shape), "BYTES"))
+    return inputs
+
+
+class Backend:
+    def __init__(self, pool: ReplicaPool, chunk_texts: int, chunk_chars: int, timeout_s: float,
+                 api_key: str | None = None) -> None:
+        self.pool = pool
+        self.chunk_texts, self.chunk_chars = chunk_texts, chunk_chars
+        self.timeout_s = timeout_s
+        # Triton's inference is behind the first key when `pergola serve --api-key` started it
+        self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
+
+    async def _infer(self, model: str, inputs: list[InferInput], outputs: list[str]):
+        """One Triton call on the least busy replica (another one if it is busy or gone)."""
+        requested = [InferRequestedOutput(name) for name in outputs]
+
+        async def call(client: grpcaio.InferenceServerClient):
+            # Triton is told the deadline too (µs): the encoder drops work nobody waits for.
+            return await client.infer(model, inputs, outputs=requested, client_timeout=self.timeout_s,
+                                      timeout=int(self.timeout_s * 1e6), headers=self.headers)
+
+        return await self.pool.call(call)
+
+    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
+        output, dtype = OUTPUTS[opts.encoding]
+
+        async def one(start: int, end: int) -> Embedded:
+            data = np.array([t.encode("utf-8") for t in texts[start:end]], dtype=object)
+            inputs = [_tensor("TEXT", data, "BYTES"), *_option_inputs(opts, [1])]
+            result = await self._infer(model.name, inputs, [output, "TOKEN_COUNT"])
+            return Embedded(result.as_numpy(output).view(dtype), result.as_numpy("TOKEN_COUNT"))
+
+        parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in texts],
+                                                                     self.chunk_texts, self.chunk_chars)))
+        return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
+
+    async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
+        """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""
+        output, dtype = OUTPUTS[opts.encoding]
+
+        async def one(start: int, end: int) -> np.ndarray:
+            part = ids[start:end]
+            lengths = np.array([[len(t) for t in part]], dtype=np.int32)
+            flat = np.fromiter((i for t in part for i in t), dtype=np.int64, count=int(lengths.sum()))[None, :]
+            inputs = [_tensor("INPUT_IDS", flat, "INT64"), _tensor("LENGTHS", lengths, "INT32"),
+                      *_option_inputs(opts, [1, 1])]
+            result = await self._infer(f"{model.target}_encoder", inputs, [output])
+            return result.as_numpy(output).view(dtype)
+
+        parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in ids], self.chunk_texts,
+                                                                     self.chunk_chars)))
+        return Embedded(np.concatenate(parts), np.array([len(t) for t in ids], dtype=np.int32))
+
+    async def rerank(self, model: ServedModel, query: str, documents: list[str],
+                     truncate: bool | None = None) -> np.ndarray:
+        """Scores [n] float32 of `documents` against `query`, in input order."""
+        q = _tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")
+
+        async def one(start: int, end: int) -> np.ndarray:
+            docs = np.array([d.encode("utf-8") for d in documents[start:end]], dtype=object)
+            inputs = [q, _tensor("DOCUMENTS", docs, "BYTES")]
+            if truncate is not None:
+                inputs.append(_tensor("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
+            return (await self._infer(model.name, inputs, ["SCORE"])).as_numpy("SCORE")
+
+        sizes = [len(d) + len(query) for d in documents]
+        return np.concatenate(await asyncio.gather(*(one(a, b) for a, b in chunks(sizes, self.chunk_texts,
+                                                                                 self.chunk_chars))))

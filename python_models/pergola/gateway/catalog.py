@@ -1,0 +1,94 @@
+"""Which models the Triton servers serve, as the gateway's routes name them.
+
+A served name is an ensemble of the repository (`embed`, `rerank`, or a model's own name);
+its first step names the model's parts (NAME_tokenizer, NAME_encoder), and the encoder's
+config.pbtxt parameters carry the model's settings (pergola.config.EngineConfig: limits,
+dtype, pooling, kernels). With the admin token the repository index lists every ensemble;
+without it the gateway looks for `embed`, `rerank` and the names it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from pergola.admin import GRPC_ADMIN_HEADER
+from pergola.config import EngineConfig
+from pergola.errors import StringLimits
+from pergola.options import convert
+
+log = logging.getLogger("pergola.gateway")
+ALIASES = ("embed", "rerank")
+
+
+@dataclass
+class ServedModel:
+    name: str  # what requests say in `model`
+    target: str  # the model behind it: NAME_tokenizer, NAME_encoder
+    task: str  # "embed" or "rerank"
+    settings: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields from config.pbtxt
+
+    def limit(self, name: str) -> Any:
+        """An EngineConfig limit as this model's server has it (its default if not written)."""
+        if name in self.settings:
+            return self.settings[name]
+        return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+    def text_limits(self, count_option: str = "max_texts") -> StringLimits:
+        return StringLimits(self.limit(count_option), self.limit("max_text_chars"),
+                            self.limit("max_request_chars"), count_option)
+
+
+def _settings(parameters: dict[str, Any]) -> dict[str, Any]:
+    """config.pbtxt parameters ({"key": {"string_value": "..."}}) as typed EngineConfig values."""
+    out = {}
+    for f in fields(EngineConfig):
+        raw = parameters.get(f.name, {}).get("string_value")
+        if raw is not None:
+            try:
+                out[f.name] = convert(f, raw)
+            except (TypeError, ValueError):
+                out[f.name] = raw
+    return out
+
+
+async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedModel | None:
+    """The served model `name`, or None when it is not an ensemble of pergola's form."""
+    try:
+        config = (await client.get_model_config(name, as_json=True))["config"]
+    except InferenceServerException:
+        return None
+    steps = config.get("ensemble_scheduling", {}).get("step", [])
+    if config.get("platform") != "ensemble" or not steps or not steps[0]["model_name"].endswith("_tokenizer"):
+        return None
+    target = steps[0]["model_name"].removesuffix("_tokenizer")
+    task = "rerank" if any(i["name"] == "QUERY" for i in config.get("input", [])) else "embed"
+    try:
+        encoder = (await client.get_model_config(f"{target}_encoder", as_json=True))["config"]
+    except InferenceServerException:
+        return None
+    return ServedModel(name, target, task, _settings(encoder.get("parameters", {})))
+
+
+async def discover(client: grpcaio.InferenceServerClient, admin_token: str | None,
+                   names: list[str]) -> dict[str, ServedModel]:
+    """Served name -> model, for every ready ensemble the gateway can see."""
+    candidates = list(ALIASES) + [n for n in names if n not in ALIASES]
+    if admin_token:
+        try:
+            index = await client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: admin_token}, as_json=True)
+            candidates += [m["name"] for m in index.get("models", [])
+                           if m.get("state") == "READY" and m["name"] not in candidates
+                           and not m["name"].endswith(("_tokenizer", "_encoder"))]
+        except InferenceServerException as e:
+            log.warning("the repository index is closed to the gateway (%s); serving %s", e.message(), candidates)
+    found = {}
+    for name in candidates:
+        model = await describe(client, name)
+        if model is not None:
+            found[name] = model
+    return found

@@ -1,0 +1,68 @@
+"""Errors the gateway answers with, and how Triton's errors map onto HTTP status codes.
+
+Each API family wraps the same error in its own envelope (clients parse it):
+    openai  {"error": {"message", "type", "param", "code"}}
+    cohere  {"message"}                                  (Jina reads the same)
+    tei     {"error", "error_type"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# status -> (OpenAI error type, TEI error_type)
+_TYPES = {
+    400: ("invalid_request_error", "Validation"),
+    401: ("authentication_error", "Unauthorized"),
+    404: ("not_found_error", "Validation"),
+    413: ("invalid_request_error", "Validation"),
+    422: ("invalid_request_error", "Validation"),
+    429: ("rate_limit_error", "Overloaded"),
+    503: ("service_unavailable", "Unhealthy"),
+    504: ("timeout_error", "Backend"),
+}
+RETRY_AFTER_S = 1  # what a 429 / 503 tells the client to wait
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+
+    def body(self, family: str) -> dict[str, Any]:
+        openai_type, tei_type = _TYPES.get(self.status, ("server_error", "Backend"))
+        if family == "openai":
+            return {"error": {"message": self.message, "type": openai_type, "param": self.param,
+                              "code": self.status}}
+        if family == "tei":
+            return {"error": self.message, "error_type": tei_type}
+        return {"message": self.message}
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param)
+
+
+# Triton's refusals that another replica (or a later retry) may accept.
+_OVERLOAD_MARKS = ("queued tokens", "Exceeds maximum queue size", "max_queue_seconds")
+
+
+def from_triton(status: str, message: str) -> GatewayError:
+    """A Triton error (gRPC status name, message) as the gateway's error."""
+    code = status.rsplit(".", 1)[-1]
+    if code == "INVALID_ARGUMENT":
+        if "unknown model" in message or "is not found" in message:
+            return GatewayError(404, message)
+        return GatewayError(413 if "the limit is" in message else 400, message)
+    if code == "NOT_FOUND":
+        return GatewayError(404, message)
+    if code == "UNAVAILABLE" and any(mark in message for mark in _OVERLOAD_MARKS):
+        return GatewayError(429, message)
+    if code in ("DEADLINE_EXCEEDED", "CANCELLED"):
+        return GatewayError(504, message)
+    if code == "UNAVAILABLE":
+        return GatewayError(503, message)
+    return GatewayError(500, message)

@@ -1,0 +1,104 @@
+"""OpenAI's embeddings API: `POST /v1/embeddings`, `GET /v1/models`.
+
+`input` is a string, a list of strings, a list of token ids or a list of such lists (token ids
+go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `encoding_format`
+float|base64, `user` ignored), pergola takes `prompt_name` or `input_type` (query, passage or
+document; Cohere's search_query / search_document too), `truncate`, and `embedding_type` with
+Cohere's meanings: float, float16, int8 (round(127 x) of the unit vector), uint8 (int8 + 128),
+ubinary (sign bits, 8 dimensions a byte, first in the high bit) and binary (ubinary - 128, as
+int8). base64 carries the little-endian bytes of each row in that type.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Callable
+
+import numpy as np
+from starlette.requests import Request
+
+from pergola.errors import read_strings
+from pergola.gateway.backend import EmbedOptions, Embedded
+from pergola.gateway.errors import GatewayError
+from pergola.gateway.http import Body, read_body
+from pergola.gateway.state import Gateway
+
+_SAME = lambda codes: codes  # noqa: E731
+# embedding_type -> (Triton ENCODING, codes -> the values sent)
+EMBEDDING_TYPES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
+    "float": ("float32", _SAME),
+    "float16": ("float16", _SAME),
+    "int8": ("int8", _SAME),
+    "uint8": ("int8", lambda codes: (codes.astype(np.int16) + 128).astype(np.uint8)),
+    "ubinary": ("binary", _SAME),
+    "binary": ("binary", lambda codes: (codes.astype(np.int16) - 128).astype(np.int8)),
+}
+INPUT_TYPES = {"query": "query", "search_query": "query",
+               "passage": "document", "document": "document", "search_document": "document"}
+
+
+def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
+    prompt = body.get("prompt_name", str)
+    input_type = body.get("input_type", str)
+    if input_type is not None:
+        if input_type not in INPUT_TYPES:
+            raise GatewayError(422, f"`input_type` must be one of {', '.join(INPUT_TYPES)}, got {input_type!r}",
+                               "input_type")
+        if prompt is not None and prompt != INPUT_TYPES[input_type]:
+            raise GatewayError(422, "send `prompt_name` or `input_type`, not both", "input_type")
+        prompt = INPUT_TYPES[input_type]
+    return EmbedOptions(prompt_name=prompt, dimensions=body.positive("dimensions"),
+                        truncate=body.get("truncate", bool), encoding=EMBEDDING_TYPES[embedding_type][0])
+
+
+def token_lists(value: list) -> list[list[int]] | None:
+    """`input` as token-id lists, or None when it holds strings."""
+    if value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return [value]
+    if value and all(isinstance(x, list) for x in value):
+        if not all(t and all(isinstance(i, int) and not isinstance(i, bool) for i in t) for t in value):
+            raise GatewayError(422, "`input` as token ids must be non-empty lists of integers", "input")
+        return value
+    return None
+
+
+async def embeddings(gw: Gateway, request: Request) -> dict[str, Any]:
+    body = await read_body(request, gw.opts.max_body_bytes)
+    model = await gw.model(body.get("model", str), "embed")
+    raw = body.get("input", (str, list), required=True)
+    embedding_type = body.get("embedding_type", str, "float")
+    if embedding_type not in EMBEDDING_TYPES:
+        raise GatewayError(422, f"`embedding_type` must be one of {', '.join(EMBEDDING_TYPES)}, "
+                                f"got {embedding_type!r}", "embedding_type")
+    encoding_format = body.get("encoding_format", str, "float")
+    if encoding_format not in ("float", "base64"):
+        raise GatewayError(422, f"`encoding_format` must be float or base64, got {encoding_format!r}",
+                           "encoding_format")
+    opts = embed_options(body, embedding_type)
+    ids = token_lists(raw) if isinstance(raw, list) else None
+    if ids is not None:
+        if opts.prompt_name is not None or opts.truncate is not None:
+            raise GatewayError(422, "token-id input is sent as it is: no prompt_name, input_type or truncate")
+        limits = model.text_limits()
+        if len(ids) > limits.max_count:
+            raise GatewayError(413, f"{len(ids):,} inputs in one request; the limit is {limits.max_count:,} "
+                                    "(max_texts): split them over several requests")
+        out: Embedded = await gw.backend.embed_tokens(model, ids, opts)
+    else:
+        texts = [raw] if isinstance(raw, str) else raw
+        if not all(isinstance(t, str) for t in texts):
+            raise GatewayError(422, "`input` must be a string, a list of strings, or token ids", "input")
+        out = await gw.backend.embed(model, read_strings(texts, "input", "text", model.text_limits()), opts)
+    values = EMBEDDING_TYPES[embedding_type][1](out.vectors)
+    encode: Callable[[np.ndarray], Any] = (lambda row: base64.b64encode(row.tobytes()).decode()) \
+        if encoding_format == "base64" else (lambda row: row)
+    tokens = int(out.tokens.sum())
+    return {"object": "list", "model": model.name,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(row)} for i, row in enumerate(values)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def models(gw: Gateway, request: Request) -> dict[str, Any]:
+    catalog = await gw.catalog()
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": gw.started, "owned_by": "pergola",
+                                        "task": m.task} for name, m in catalog.items()]}

@@ -1,0 +1,36 @@
+"""The gateway's options, declared once (pergola.options): flags of `pergola gateway`, also
+`pergola serve --gateway-*`, each with its PERGOLA_GATEWAY_* / PERGOLA_* environment variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pergola.options import option
+
+
+@dataclass
+class GatewayOptions:
+    triton: str = option("127.0.0.1:8001", "Triton gRPC address(es) to spread requests over, comma-separated "
+                                           "HOST:PORT; a name that resolves to several addresses (a Kubernetes "
+                                           "headless Service) counts as one replica per address",
+                         metavar="HOST:PORT[,...]")
+    gateway_bind: str = option("0.0.0.0", "address the gateway listens on", metavar="ADDRESS")
+    gateway_port: int = option(8080, "the gateway's HTTP port (OpenAI, Cohere/Jina and TEI routes); "
+                                     "with `pergola serve`, 0 turns the gateway off")
+    gateway_workers: int = option(1, "gateway worker processes (each one event loop)")
+    api_key: str | None = option(None, "keys the gateway's routes (all but /health) require as "
+                                       "`Authorization: Bearer KEY`, comma-separated; `pergola serve` "
+                                       "also puts Triton's inference behind the first one", metavar="KEY[,...]")
+    api_key_file: str | None = option(None, "file of API keys, one per line (added to --api-key)", metavar="FILE")
+    triton_admin_token_file: str | None = option(None, "admin token file of the Triton server(s): lets the "
+                                                       "gateway list every served model (without it: `embed`, "
+                                                       "`rerank` and --models)", metavar="FILE")
+    models: str | None = option(None, "served model names to look for when the repository index is closed "
+                                      "to the gateway, comma-separated", metavar="NAME[,...]")
+    chunk_texts: int = option(32, "a request of more texts is cut into chunks of this many, sent to the "
+                                  "replicas concurrently and put back together in order")
+    chunk_chars: int = option(65_536, "...and a chunk holds at most this many characters (one text over it is "
+                                      "a chunk of its own)")
+    request_timeout_s: float = option(60.0, "seconds a request may take end to end; Triton is told, so work "
+                                            "nobody waits for is dropped")
+    max_body_bytes: int = option(32 << 20, "largest request body accepted (413 above it)")

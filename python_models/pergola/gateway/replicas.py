@@ -1,0 +1,127 @@
+"""The Triton servers behind the gateway, and how a call picks one (Ivy's fan-out).
+
+Each call goes to the replica with the fewest calls outstanding from this process (ties: the
+one used longest ago), so a request cut into chunks spreads its chunks over every replica. A
+replica that refuses for overload or cannot be reached is skipped for the rest of that call and
+the chunk is tried on the next one; one that cannot be reached is also left out of new calls
+for `down_s` seconds. A name that resolves to several addresses (a Kubernetes headless Service)
+is one replica per address, resolved again every `resolve_every_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
+
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from pergola.gateway.errors import GatewayError, from_triton
+
+log = logging.getLogger("pergola.gateway")
+T = TypeVar("T")
+_ticket = itertools.count()
+
+
+@dataclass
+class Replica:
+    address: str  # HOST:PORT
+    client: grpcaio.InferenceServerClient
+    outstanding: int = 0
+    last_used: int = 0
+    down_until: float = 0.0
+
+
+def resolve(target: str) -> list[str]:
+    """HOST:PORT -> one HOST:PORT per address the name resolves to (itself if it is an address,
+    or if it does not resolve now: the call will say why)."""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--triton takes HOST:PORT (Triton's gRPC port, 8001 by default), got {target!r}")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return [target]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return [target]
+    addresses = sorted({info[4][0] for info in infos})
+    if len(addresses) <= 1:
+        return [target]
+    return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses]
+
+
+def is_connection_error(err: InferenceServerException) -> bool:
+    return str(err.status()).endswith("UNAVAILABLE") and "queued tokens" not in err.message() \
+        and "maximum queue size" not in err.message()
+
+
+class ReplicaPool:
+    def __init__(self, targets: list[str], down_s: float = 2.0, resolve_every_s: float = 10.0) -> None:
+        if not targets:
+            raise ValueError("no Triton server to send requests to (--triton HOST:PORT)")
+        self.targets = targets
+        self.down_s = down_s
+        self.resolve_every_s = resolve_every_s
+        self.replicas: dict[str, Replica] = {}
+        self._resolved_at = float("-inf")
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-resolve the targets: new addresses join, vanished ones leave (their calls finish)."""
+        addresses = [a for t in self.targets for a in resolve(t)]
+        for address in addresses:
+            if address not in self.replicas:
+                self.replicas[address] = Replica(address, grpcaio.InferenceServerClient(address))
+        for address in set(self.replicas) - set(addresses):
+            self.replicas.pop(address)
+        self._resolved_at = time.monotonic()
+
+    def _ordered(self) -> list[Replica]:
+        if time.monotonic() - self._resolved_at > self.resolve_every_s:
+            self.refresh()
+        now = time.monotonic()
+        return sorted(self.replicas.values(), key=lambda r: (r.down_until > now, r.outstanding, r.last_used))
+
+    async def call(self, fn: Callable[[grpcaio.InferenceServerClient], Awaitable[T]]) -> T:
+        """fn(client) on the least busy replica; on overload or a lost connection, on the next.
+        Raises the GatewayError of the last refusal (429 if any replica was only busy)."""
+        errors: list[GatewayError] = []
+        for replica in self._ordered():
+            replica.outstanding += 1
+            replica.last_used = next(_ticket)
+            try:
+                return await fn(replica.client)
+            except InferenceServerException as e:
+                error = from_triton(str(e.status()), e.message())
+                if error.status not in (429, 503):
+                    raise error from None
+                if is_connection_error(e):
+                    replica.down_until = time.monotonic() + self.down_s
+                    log.warning("Triton at %s: %s; trying another replica", replica.address, e.message())
+                errors.append(error)
+            finally:
+                replica.outstanding -= 1
+        busy = [e for e in errors if e.status == 429]
+        raise (busy or errors)[-1] if errors else GatewayError(503, "no Triton server is known")
+
+    async def ready(self) -> bool:
+        """True when at least one replica answers that it is ready."""
+        async def one(replica: Replica) -> bool:
+            try:
+                return bool(await replica.client.is_server_ready())
+            except InferenceServerException:
+                return False
+
+        return any(await asyncio.gather(*(one(r) for r in list(self.replicas.values()))))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.client.close() for r in self.replicas.values()), return_exceptions=True)

@@ -1,0 +1,76 @@
+"""One gateway process's state: its options, the replicas, the served models, the keys."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from pergola.admin import read_token
+from pergola.gateway.backend import Backend
+from pergola.gateway.catalog import ServedModel, discover
+from pergola.gateway.errors import GatewayError
+from pergola.gateway.options import GatewayOptions
+from pergola.gateway.replicas import ReplicaPool
+
+log = logging.getLogger("pergola.gateway")
+DEFAULT_MODELS = {"embed": "embed", "rerank": "rerank"}  # task -> served name when a request names none
+
+
+def api_keys(opts: GatewayOptions) -> list[str]:
+    keys = [k.strip() for k in (opts.api_key or "").split(",") if k.strip()]
+    if opts.api_key_file:
+        path = Path(opts.api_key_file).expanduser()
+        try:
+            keys += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise SystemExit(f"pergola gateway: cannot read --api-key-file {path}: {e.strerror}") from None
+    return keys
+
+
+class Gateway:
+    def __init__(self, opts: GatewayOptions) -> None:
+        self.opts = opts
+        self.admin_token = read_token(opts.triton_admin_token_file) if opts.triton_admin_token_file else None
+        self.names = [n.strip() for n in (opts.models or "").split(",") if n.strip()]
+        self.pool = ReplicaPool([t.strip() for t in opts.triton.split(",") if t.strip()])
+        keys = api_keys(opts)
+        self.backend = Backend(self.pool, opts.chunk_texts, opts.chunk_chars, opts.request_timeout_s,
+                               keys[0] if keys else None)
+        self.started = int(time.time())
+        self._models: dict[str, ServedModel] = {}
+        self._looked_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def catalog(self, max_age_s: float = 10.0) -> dict[str, ServedModel]:
+        """The served models, looked up again when the last look is `max_age_s` old."""
+        if not self._models:
+            max_age_s = min(max_age_s, 0.5)  # nothing known yet: the server may have just come up
+        async with self._lock:
+            if time.monotonic() - self._looked_at >= max_age_s:
+                for replica in list(self.pool.replicas.values()):
+                    try:
+                        self._models = await discover(replica.client, self.admin_token, self.names)
+                        break
+                    except Exception as e:  # noqa: BLE001 - this replica is down: ask the next
+                        log.warning("cannot list models on %s: %s", replica.address, e)
+                self._looked_at = time.monotonic()
+            return self._models
+
+    async def model(self, name: str | None, task: str) -> ServedModel:
+        """The served model a request names (its task's default when it names none): 404 if
+        there is none, 400 if it does the other task."""
+        name = name or DEFAULT_MODELS[task]
+        models = await self.catalog()
+        if name not in models:
+            models = await self.catalog(max_age_s=2.0)  # loaded since the last look?
+        if name not in models:
+            served = ", ".join(m for m, v in models.items() if v.task == task) or "none"
+            raise GatewayError(404, f"model {name!r} is not served here; models for this route: {served}", "model")
+        model = models[name]
+        if model.task != task:
+            raise GatewayError(400, f"model {name!r} is a{'n' if model.task == 'embed' else ''} {model.task} "
+                                    f"model; this route needs a{'n' if task == 'embed' else ''} {task} model",
+                               "model")
+        return model

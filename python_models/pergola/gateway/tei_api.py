@@ -1,0 +1,98 @@
+"""text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `GET /info`,
+`GET /health`; errors as {"error", "error_type"}.
+
+    /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "prompt_name": null,
+              "dimensions": null}  ->  [[float, ...], ...]
+    /rerank  {"query", "texts", "return_text": false, "truncate": null}
+             ->  [{"index", "score", "text"?}] best first
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pergola.errors import RequestError, read_strings
+from pergola.gateway import rerank_api
+from pergola.gateway.backend import EmbedOptions
+from pergola.gateway.errors import GatewayError
+from pergola.gateway.http import Body, JSONResponse, Keys, error_response, read_body
+from pergola.gateway.state import Gateway
+
+VERSION = "pergola-gateway"
+
+
+def _truncation(body: Body) -> None:
+    direction = body.get("truncation_direction", str, "Right")
+    if direction.lower() != "right":
+        raise GatewayError(422, "truncation_direction Left is not supported: pergola keeps the start of a text "
+                                "(Right)", "truncation_direction")
+    if body.get("raw_scores", bool, False):
+        raise GatewayError(422, "raw_scores is not supported: scores are the model's sigmoid / P(yes)",
+                           "raw_scores")
+
+
+async def embed(gw: Gateway, request: Request) -> Any:
+    body = await read_body(request, gw.opts.max_body_bytes)
+    _truncation(body)
+    model = await gw.model(body.get("model", str), "embed")
+    raw = body.get("inputs", (str, list), required=True)
+    texts = [raw] if isinstance(raw, str) else raw
+    if not all(isinstance(t, str) for t in texts):
+        raise GatewayError(422, "`inputs` must be a string or a list of strings", "inputs")
+    opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.positive("dimensions"),
+                        normalize=body.get("normalize", bool, True), truncate=body.get("truncate", bool))
+    out = await gw.backend.embed(model, read_strings(texts, "inputs", "text", model.text_limits()), opts)
+    return JSONResponse(out.vectors, headers={"x-total-tokens": str(int(out.tokens.sum()))})
+
+
+async def tei_rerank(gw: Gateway, body: Body) -> list[dict[str, Any]]:
+    _truncation(body)
+    texts, scores = await rerank_api.scores_of(gw, body, "texts", body.get("truncate", bool))
+    with_text = body.get("return_text", bool, False)
+    return [{"index": i, "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
+            for i in rerank_api.best_first(scores, None)]
+
+
+async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
+    """`/rerank` speaks TEI when the body has `texts`, Cohere/Jina when it has `documents` (the
+    key is checked once the body says which envelope an error goes in)."""
+    family = "cohere"
+    try:
+        body = await read_body(request, gw.opts.max_body_bytes)
+        family = "tei" if "texts" in body.data else "cohere"
+        keys.check(request)
+        result = await (tei_rerank(gw, body) if family == "tei" else rerank_api.rerank(gw, body))
+        return JSONResponse(result)
+    except (GatewayError, RequestError) as e:
+        return error_response(e, family)
+
+
+async def info(gw: Gateway, request: Request) -> dict[str, Any]:
+    """What TEI's /info says, for the default model of each task (or ?model=NAME)."""
+    catalog = await gw.catalog()
+    name = request.query_params.get("model") or next((n for n in ("embed", "rerank") if n in catalog), None)
+    if name not in catalog:
+        raise GatewayError(503 if not catalog else 404, "no model is served yet" if not catalog
+                           else f"model {name!r} is not served here")
+    model = catalog[name]
+    settings = model.settings
+    kind = {"embedding": {"pooling": settings.get("pooling") or "model default"}} if model.task == "embed" \
+        else {"reranker": {"id2label": {"0": "score"}}}
+    return {"model_id": model.target, "served_name": name, "model_type": kind,
+            "model_dtype": settings.get("dtype", "auto"),
+            "max_client_batch_size": model.limit("max_documents" if model.task == "rerank" else "max_texts"),
+            "max_batch_tokens": settings.get("max_batch_tokens") or None,
+            "attention_backend": settings.get("attention_backend", "auto"),
+            "prompts": {k: v for k, v in (("query", settings.get("query_prompt")),
+                                          ("document", settings.get("document_prompt"))) if v},
+            "models": {n: m.task for n, m in catalog.items()}, "version": VERSION}
+
+
+async def health(gw: Gateway, request: Request) -> Response:
+    """200 when a Triton replica is ready and serves a model; 503 otherwise (no key needed)."""
+    if await gw.pool.ready() and await gw.catalog():
+        return Response(status_code=200)
+    return JSONResponse({"error": "no Triton replica is ready", "error_type": "Unhealthy"}, status_code=503)

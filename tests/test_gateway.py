@@ -1,0 +1,387 @@
+"""The gateway against real Triton servers: OpenAI's own client, Cohere/Jina and TEI JSON over
+plain HTTP, every status code, keys, and requests cut over two replicas (one killed mid-way)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MAX_TEXT_CHARS, TEST_DEVICE, TEXTS, RunningServer, cosine_rows
+from test_rerank import DOCS, QUERY, cross_encoder_reference
+
+KEY = "gateway-test-key-0123456789"
+MODELS = "minilm,ce,qr"  # the session server's ensembles (its index is closed to the gateway)
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_gateway(tmp: Path, triton: str, *args: str, ready: bool = True) -> Gateway:
+    from pergola.server import free_port
+
+    port = free_port()
+    log = tmp / f"gateway-{port}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "pergola.cli", "gateway", "--triton", triton,
+                             "--gateway-port", str(port), "--gateway-bind", "127.0.0.1", "--models", MODELS, *args],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status, _, _ = call(gw, "GET", "/health")
+            if status == 200 or (not ready and status == 503):
+                return gw
+        except OSError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.2)
+    gw.stop()
+    raise AssertionError(f"the gateway did not come up:\n{log.read_text()}")
+
+
+def call(gw: Gateway, method: str, path: str, body: object = None, key: str | None = KEY,
+         raw: bytes | None = None) -> tuple[int, object, dict]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(gw.url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read()
+            return r.status, json.loads(text) if text else None, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        return e.code, json.loads(text) if text else None, dict(e.headers)
+
+
+@pytest.fixture(scope="module")
+def gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
+    # chunks of 3 texts: every multi-text request below is cut and put back together
+    gw = start_gateway(tmp_path_factory.mktemp("gateway"), server.grpc_url, "--api-key", KEY, "--chunk-texts", "3")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def openai_client(gateway: Gateway):
+    import openai
+
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def direct(server: RunningServer):
+    from pergola_client import PergolaClient
+
+    with PergolaClient(server.grpc_url, model="minilm") as client:
+        yield client
+
+
+def token_counts(st_model, texts: list[str]) -> list[int]:
+    return [min(len(ids), st_model.max_seq_length) for ids in st_model.tokenizer(texts)["input_ids"]]
+
+
+# --- OpenAI ---------------------------------------------------------------------------------
+
+def test_openai_client_gets_sentence_transformers_vectors(openai_client, reference, st_model):
+    out = openai_client.embeddings.create(model="minilm", input=TEXTS)  # the SDK asks for base64
+    got = np.array([d.embedding for d in out.data], dtype=np.float32)
+    assert [d.index for d in out.data] == list(range(len(TEXTS)))
+    assert cosine_rows(got, reference).min() >= 0.9999
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(token_counts(st_model, TEXTS))
+
+
+def test_openai_float_and_base64_are_the_same_floats(gateway):
+    body = {"model": "embed", "input": TEXTS[:4]}
+    _, floats, _ = call(gateway, "POST", "/v1/embeddings", body | {"encoding_format": "float"})
+    _, b64, _ = call(gateway, "POST", "/v1/embeddings", body | {"encoding_format": "base64"})
+    for f, b in zip(floats["data"], b64["data"]):  # (two requests: float rounding may differ in batches)
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        np.testing.assert_allclose(decoded, np.array(f["embedding"], dtype=np.float32), atol=1e-6)
+
+
+def test_openai_single_string_and_dimensions(gateway, reference):
+    status, out, _ = call(gateway, "POST", "/v1/embeddings", {"model": "embed", "input": TEXTS[0], "dimensions": 128})
+    assert status == 200, out
+    [row] = out["data"]
+    vec = np.array(row["embedding"], dtype=np.float32)
+    assert vec.shape == (128,) and abs(np.linalg.norm(vec) - 1) < 1e-5
+    assert cosine_rows(vec[None], reference[:1, :128]).min() >= 0.9999
+
+
+def test_openai_token_ids_equal_text(gateway, st_model):
+    ids = st_model.tokenizer(TEXTS[:3], truncation=True, max_length=st_model.max_seq_length)["input_ids"]
+    _, by_text, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS[:3]})
+    _, by_ids, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": ids})
+    a = np.array([d["embedding"] for d in by_text["data"]])
+    b = np.array([d["embedding"] for d in by_ids["data"]])
+    assert cosine_rows(a, b).min() >= 0.99999
+    assert by_ids["usage"]["prompt_tokens"] == sum(len(t) for t in ids)
+    _, one, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": ids[0]})  # one list of ids
+    assert len(one["data"]) == 1
+
+
+@pytest.mark.parametrize("embedding_type", ["float16", "int8", "uint8", "ubinary", "binary"])
+def test_openai_embedding_types_match_tritons_codes(gateway, direct, embedding_type):
+    body = {"model": "minilm", "input": TEXTS[:5], "embedding_type": embedding_type}
+    status, out, _ = call(gateway, "POST", "/v1/embeddings", body)
+    assert status == 200, out
+    got = np.array([d["embedding"] for d in out["data"]])
+    triton = {"float16": "float16", "int8": "int8", "uint8": "int8", "ubinary": "binary", "binary": "binary"}
+    codes = direct.embed(TEXTS[:5], encoding=triton[embedding_type]).astype(np.int64 if embedding_type != "float16"
+                                                                           else np.float64)
+    expected = {"uint8": codes + 128, "binary": codes - 128}.get(embedding_type, codes)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-3 if embedding_type == "float16" else 0)
+    # base64 carries the bytes of that type
+    _, b64, _ = call(gateway, "POST", "/v1/embeddings", body | {"encoding_format": "base64"})
+    dtype = {"float16": "<f2", "int8": "i1", "uint8": "u1", "ubinary": "u1", "binary": "i1"}[embedding_type]
+    decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=dtype) for d in b64["data"]])
+    np.testing.assert_allclose(decoded, expected, rtol=0, atol=1e-3 if embedding_type == "float16" else 0)
+
+
+def test_openai_models_lists_every_served_model(openai_client):
+    listed = {m.id for m in openai_client.models.list().data}
+    assert {"embed", "minilm", "rerank", "ce"} <= listed
+
+
+# --- a result does not depend on how the request was cut ----------------------------------------
+
+def test_split_answers_equal_unsplit(gateway, server, tmp_path):
+    whole = start_gateway(tmp_path, server.grpc_url, "--api-key", KEY, "--chunk-texts", "1000")
+    try:
+        texts = TEXTS * 3  # 36 texts: 12 chunks of 3 vs one request
+        _, cut, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
+        _, one, _ = call(whole, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
+    finally:
+        whole.stop()
+    a = np.array([d["embedding"] for d in cut["data"]])
+    b = np.array([d["embedding"] for d in one["data"]])
+    np.testing.assert_allclose(a, b, atol=1e-6 if TEST_DEVICE == "cpu" else 2e-3)
+    assert cut["usage"] == one["usage"]
+
+
+# --- Cohere / Jina and TEI rerank -----------------------------------------------------------------
+
+def test_cohere_rerank_equals_cross_encoder_best_first(gateway, rerank_folders):
+    expected = cross_encoder_reference(rerank_folders["cross-encoder"], QUERY, DOCS)
+    docs = [d if i % 2 else {"text": d} for i, d in enumerate(DOCS)]  # strings and {text} objects
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+        status, out, _ = call(gateway, "POST", path, {"model": "ce", "query": QUERY, "documents": docs,
+                                                      "return_documents": True})
+        assert status == 200, out
+        results = out["results"]
+        assert [r["index"] for r in results] == np.argsort(-expected, kind="stable").tolist()
+        scores = np.array([r["relevance_score"] for r in results])
+        assert np.all(np.diff(scores) <= 0)
+        np.testing.assert_allclose(scores, np.sort(expected)[::-1], atol=1e-4)
+        assert all(r["document"]["text"] == DOCS[r["index"]] for r in results)
+    _, top, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": QUERY, "documents": DOCS, "top_n": 2})
+    assert [r["index"] for r in top["results"]] == [r["index"] for r in results[:2]]
+    assert "document" not in top["results"][0]
+
+
+def test_tei_rerank_and_embed(gateway, rerank_folders, reference):
+    expected = cross_encoder_reference(rerank_folders["cross-encoder"], QUERY, DOCS)
+    status, out, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS,
+                                                       "return_text": True})
+    assert status == 200, out
+    assert [r["index"] for r in out] == np.argsort(-expected, kind="stable").tolist()
+    np.testing.assert_allclose([r["score"] for r in out], np.sort(expected)[::-1], atol=1e-4)
+    assert all(r["text"] == DOCS[r["index"]] for r in out)
+    status, vectors, headers = call(gateway, "POST", "/embed", {"inputs": TEXTS})
+    assert status == 200
+    assert cosine_rows(np.array(vectors), reference).min() >= 0.9999
+    assert int(headers["x-total-tokens"]) > len(TEXTS)
+    _, raw, _ = call(gateway, "POST", "/embed", {"inputs": TEXTS[0], "normalize": False})
+    assert abs(np.linalg.norm(raw[0]) - 1) > 1e-3  # MiniLM's raw mean pooling is not unit length
+
+
+def test_tei_info_and_health(gateway):
+    status, info, _ = call(gateway, "GET", "/info")
+    assert status == 200 and info["model_type"] == {"embedding": {"pooling": "model default"}}
+    assert info["max_client_batch_size"] > 0 and info["models"]["ce"] == "rerank"
+    assert call(gateway, "GET", "/health", key=None)[0] == 200  # no key needed
+
+
+# --- status codes and envelopes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("path,body,family", [
+    ("/v1/embeddings", {"input": "x"}, "openai"),
+    ("/v1/rerank", {"query": "q", "documents": ["d"]}, "cohere"),
+    ("/embed", {"inputs": "x"}, "tei"),
+    ("/rerank", {"query": "q", "texts": ["d"]}, "tei"),
+])
+@pytest.mark.parametrize("key", [None, "wrong-key-0123456789"])
+def test_keys_are_required_in_each_envelope(gateway, path, body, family, key):
+    status, out, _ = call(gateway, "POST", path, body, key=key)
+    assert status == 401
+    message = {"openai": lambda o: o["error"]["message"], "cohere": lambda o: o["message"],
+               "tei": lambda o: o["error"]}[family](out)
+    assert "API key" in message
+
+
+def openai_error(gateway, body=None, raw=None) -> tuple[int, str]:
+    status, out, _ = call(gateway, "POST", "/v1/embeddings", body, raw=raw)
+    return status, out["error"]["message"]
+
+
+def test_status_codes_say_what_to_change(gateway):
+    assert openai_error(gateway, {"model": "nope", "input": "x"})[0] == 404
+    status, message = openai_error(gateway, {"model": "ce", "input": "x"})
+    assert status == 400 and "rerank model" in message
+    assert openai_error(gateway, raw=b"{not json")[0] == 400
+    status, message = openai_error(gateway, {"input": 5})
+    assert status == 422 and "`input`" in message
+    status, message = openai_error(gateway, {"input": "x", "embedding_type": "int4"})
+    assert status == 422 and "embedding_type" in message
+    assert openai_error(gateway, {"input": []})[0] == 400
+    assert openai_error(gateway, {"input": ""})[0] == 400
+    status, message = openai_error(gateway, {"input": "x" * (MAX_TEXT_CHARS + 1)})
+    assert status == 413 and "max_text_chars" in message
+    status, message = openai_error(gateway, {"input": "x", "prompt_name": "no-such-prompt"})
+    assert status == 400 and "no-such-prompt" in message
+    status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "embed", "query": "q", "documents": ["d"]})
+    assert status == 400 and "embed model" in out["message"]
+    status, out, _ = call(gateway, "POST", "/embed", {"inputs": "x", "truncation_direction": "Left"})
+    assert status == 422 and out["error_type"] == "Validation"
+
+
+def test_body_over_the_limit_is_413(server, tmp_path):
+    gw = start_gateway(tmp_path, server.grpc_url, "--max-body-bytes", "1000")
+    try:
+        status, out, _ = call(gw, "POST", "/v1/embeddings", {"input": "x" * 2000}, key=None)
+    finally:
+        gw.stop()
+    assert status == 413 and "--max-body-bytes" in out["error"]["message"]
+
+
+def test_no_triton_is_503_with_retry_after(tmp_path):
+    from pergola.server import free_port
+
+    gw = start_gateway(tmp_path, f"127.0.0.1:{free_port()}", ready=False)
+    try:
+        assert call(gw, "GET", "/health")[0] == 503
+        status, out, headers = call(gw, "POST", "/v1/embeddings", {"input": "x"})
+    finally:
+        gw.stop()
+    assert status == 404 or status == 503, out  # nothing discovered yet: no model by that name
+    assert status == 404 or headers.get("retry-after") == "1"
+
+
+# --- two replicas -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def second_server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+    from pergola.repo_builder import build_repository, entry_from_folder
+    from pergola.server import ServerOptions, free_port, start, wait_ready
+
+    root = tmp_path_factory.mktemp("second")
+    repo = build_repository(root / "repo", [entry_from_folder(minilm_folder, "minilm")], gpu=TEST_DEVICE == "gpu")
+    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    proc = start(opts, log_path=root / "tritonserver.log")
+    wait_ready(opts.http_port, proc, timeout=240)
+    yield f"127.0.0.1:{opts.grpc_port}", proc
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server, tmp_path, reference):
+    address, proc = second_server
+    gw = start_gateway(tmp_path, f"{server.grpc_url},{address}", "--chunk-texts", "2", "--models", "minilm")
+    answers: list[object] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS}, key=None)
+            answers.append(np.array([d["embedding"] for d in out["data"]]) if status == 200 else (status, out))
+
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        proc.kill()  # one replica gone mid-traffic
+        time.sleep(4)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        gw.stop()
+    failed = [a for a in answers if not isinstance(a, np.ndarray)]
+    assert not failed, failed[:3]
+    assert len(answers) > 6
+    for out in answers:
+        assert cosine_rows(out, reference).min() >= 0.9999
+
+
+# --- `pergola serve` runs the gateway -------------------------------------------------------------
+
+def test_pergola_serve_answers_the_openai_client(tmp_path, minilm_folder, reference):
+    """What `make serve` starts: the gateway on its port, the models found through the admin
+    token (the served names, not only `embed`), the key on every route but /health."""
+    import openai
+
+    from conftest import start_serve
+
+    served = start_serve(tmp_path, f"mini={minilm_folder}", "--api-key", KEY)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key=KEY, max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:  # the gateway starts beside tritonserver: give it a moment after READY
+            try:
+                out = client.embeddings.create(model="mini", input=TEXTS)
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, served.log_tail()
+                time.sleep(0.5)
+        assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= 0.9999
+        assert {"embed", "mini"} <= {m.id for m in client.models.list().data}
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key="wrong-key-0123456789",
+                          max_retries=0).embeddings.create(model="mini", input="x")
+    finally:
+        assert served.stop() == 0
+
+
+def test_api_key_closes_tritons_inference_too(tmp_path, minilm_folder):
+    """With --api-key, Triton's own ports answer inference only with the key (its header)."""
+    from pergola_client import PergolaClient
+    from tritonclient.utils import InferenceServerException
+
+    from conftest import start_serve
+
+    served = start_serve(tmp_path, f"mini={minilm_folder}", "--api-key", KEY, "--gateway-port", "0")
+    try:
+        for protocol, port in (("grpc", served.grpc), ("http", served.http)):
+            with PergolaClient(f"127.0.0.1:{port}", protocol=protocol) as client, \
+                    pytest.raises(InferenceServerException, match="restricted"):
+                client.embed(["x"])
+            with PergolaClient(f"127.0.0.1:{port}", protocol=protocol, api_key=KEY) as client:
+                assert client.embed(["x"]).shape == (1, 384)
+                assert client.is_ready()  # health stays open
+        assert KEY not in served.log.read_text()  # redacted from the logged command line
+    finally:
+        assert served.stop() == 0
