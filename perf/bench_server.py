@@ -37,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput  # noqa: E402
+from common import (  # noqa: E402
+    HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput, write_result,
+)
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.hf_folder import load_model_spec  # noqa: E402
@@ -332,10 +334,7 @@ def main() -> None:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {out}")
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

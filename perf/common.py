@@ -8,6 +8,8 @@ experiments/cpu_stalls.py. A script that times on the CPU sets `common.DEVICE = 
 
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -168,3 +170,11 @@ def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
     a = a / np.linalg.norm(a, axis=1, keepdims=True)
     b = b / np.linalg.norm(b, axis=1, keepdims=True)
     return float((a * b).sum(1).min())
+
+
+def write_result(res: dict, path: str | Path) -> None:
+    """A benchmark's JSON (date, command and figures) where --out says."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}")

@@ -3,7 +3,7 @@
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
-#                                              # tests hardening engine server scoring vllm vllm_inproc minilm
+#                                              # tests hardening gateway engine server scoring vllm vllm_inproc minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -56,6 +56,8 @@ for step in "$@"; do
       run soak python3 perf/soak.py --repo /tmp/grepo --minutes "${SOAK_MINUTES:-5}" --clients 8 --every 15 \
         --out "$OUT/soak_gpu.json"
       kill -TERM "$local_pid"; wait "$local_pid"; echo "pergola serve exit: $?" | tee -a "$OUT/soak.log" ;;
+    gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
+      run gateway python3 perf/bench_gateway.py --model qwen3-0.6b --out "$OUT/gateway.json" ;;
     engine)  # engine level: start-up probe's choice vs each kernel / cuBLAS forced (Qwen3), MiniLM as chosen
       # (MiniLM gets no kernel variants: FlashInfer has no head-dim-32 build and would JIT-fail for minutes)
       run engine python3 perf/bench_engine.py --models qwen3-0.6b --latency-n 40 \
@@ -81,7 +83,7 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
         --suites inproc server --out "$OUT/vllm_minilm.json") ;;
-    *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening engine server" \
+    *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening gateway engine server" \
          "scoring vllm vllm_inproc minilm)" >&2; exit 2 ;;
   esac
 done

@@ -8,23 +8,63 @@ import pytest
 import torch
 from triton_interp import run_in_interpreter
 
-from pergola.layers.linear import Tile, dump_tiles, load_tiles, pick_tile, table_key, tiles_for
+from pergola.layers.linear import Tile, dump_tiles, load_tiles, pick_tile, table_key, tile_rows, tiles_for
 
 
 def test_pick_tile_walks_rows_in_increasing_m():
     small, mid = Tile(16, 32, 64), Tile(64, 64, 128)
     table = {table_key("plain", 1024, 2048): [(64, small), (256, None), (512, mid)]}
-    assert pick_tile(table, "plain", 1, 1024, 2048) == small
-    assert pick_tile(table, "plain", 64, 1024, 2048) == small
-    assert pick_tile(table, "plain", 65, 1024, 2048) is None  # cuBLAS row
-    assert pick_tile(table, "plain", 300, 1024, 2048) == mid
-    assert pick_tile(table, "plain", 513, 1024, 2048) is None  # past the table: cuBLAS
-    assert pick_tile(table, "gated", 1, 1024, 2048) is None  # another kind or shape: cuBLAS
+    rows = tile_rows(table, "plain", 1024, 2048)
+    assert pick_tile(rows, 1) == small
+    assert pick_tile(rows, 64) == small
+    assert pick_tile(rows, 65) is None  # cuBLAS row
+    assert pick_tile(rows, 300) == mid
+    assert pick_tile(rows, 513) is None  # past the table: cuBLAS
+    assert tile_rows(table, "gated", 1024, 2048) == ()  # another kind or shape: cuBLAS
 
 
 def test_a_tile_that_does_not_divide_the_shape_is_not_used():
     table = {table_key("plain", 384, 1536): [(512, Tile(16, 256, 64))]}
-    assert pick_tile(table, "plain", 8, 384, 1536) is None
+    assert pick_tile(tile_rows(table, "plain", 384, 1536), 8) is None
+
+
+def test_each_projection_keeps_the_rows_of_its_shape():
+    from pergola.layers.linear import GateUpLinear, Linear, MergedLinear, select_tiles
+
+    plain, gated = Tile(16, 32, 64), Tile(64, 32, 64, tma=True)
+    table = {table_key("plain", 96, 64): [(64, plain)], table_key("gated", 128, 64): [(1 << 20, gated)]}
+    model = torch.nn.ModuleDict({"qkv": MergedLinear(64, [32, 32, 32]), "o": Linear(96, 64),
+                                 "gate_up": GateUpLinear(64, 128), "biased": Linear(64, 96, bias=True)})
+    select_tiles(model, table)
+    assert model["qkv"].tiles == ((64, plain),)  # plain:96x64
+    assert model["gate_up"].tiles == ((1 << 20, gated),)  # gated:128x64 (I = 128 of the 256 rows)
+    assert model["o"].tiles == ()  # plain:64x96 is not in the table
+    assert model["biased"].tiles == ()  # plain:96x64, but no tile adds a bias
+    # the CPU (and FP32) never runs a Triton tile, whatever the rows say
+    assert model["qkv"].tile(torch.randn(8, 64)) is None
+    select_tiles(model, {})  # "cublas"
+    assert model["qkv"].tiles == ()
+
+
+def test_fused_projections_load_their_parts_into_their_rows():
+    from pergola.layers.linear import GateUpLinear, MergedLinear
+
+    qkv = MergedLinear(8, [8, 4, 4], bias=True)
+    q, k, v = torch.randn(8, 8), torch.randn(4, 8), torch.randn(4, 8)
+    for i, part in enumerate((q, k, v)):
+        qkv.weight.weight_loader(qkv.weight, part, i)
+        qkv.bias.weight_loader(qkv.bias, part[:, 0], i)
+    torch.testing.assert_close(qkv.weight.data, torch.cat([q, k, v]), rtol=0, atol=0)
+    torch.testing.assert_close(qkv.bias.data, torch.cat([q, k, v])[:, 0], rtol=0, atol=0)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(qkv(x), x @ torch.cat([q, k, v]).t() + qkv.bias)
+    with pytest.raises(ValueError, match="parts"):
+        qkv.weight.weight_loader(qkv.weight, torch.randn(16, 8))
+    gate_up = GateUpLinear(8, 4)
+    gate, up = torch.randn(4, 8), torch.randn(4, 8)
+    gate_up.weight.weight_loader(gate_up.weight, gate, 0)
+    gate_up.weight.weight_loader(gate_up.weight, up, 1)
+    torch.testing.assert_close(gate_up(x), torch.nn.functional.silu(x @ gate.t()) * (x @ up.t()))
 
 
 def test_tile_table_file_round_trip(tmp_path):

@@ -32,7 +32,7 @@ MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else 1e-2
 
 def engine_scores(folder, task: str | None, query: str, docs: list[str]) -> np.ndarray:
     eng = Engine(EngineConfig(model_dir=str(folder), task=task))
-    enc = RerankTokenizer(eng.spec, eng.spec.reranker_kind).encode(query, docs)
+    enc = RerankTokenizer(eng.spec).encode(query, docs)
     return eng.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0][:, 0]
 
 
@@ -59,7 +59,7 @@ def qwen3_reranker_reference(folder, query: str, docs: list[str]) -> np.ndarray:
     with torch.no_grad():
         for n in enc.lengths:
             logits = model(input_ids=torch.tensor(enc.input_ids[start:start + n])[None]).logits[0, -1]
-            out.append(torch.softmax(torch.stack([logits[tok.no_id], logits[tok.yes_id]]), 0)[1].item())
+            out.append(torch.softmax(logits[list(tok.answer_ids)], 0)[1].item())
             start += n
     return np.array(out, dtype=np.float32)
 

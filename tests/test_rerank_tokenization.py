@@ -168,9 +168,9 @@ def test_qwen3_instruction_and_answer_ids(qwen_folder, hf_qwen_tokenizer):
     tok = qwen_tokenizer(qwen_folder, 200, instruction="Find the city")
     enc = tok.encode(QUERY, DOCUMENTS)
     assert split(enc) == qwen3_reference(hf_qwen_tokenizer, QUERY, DOCUMENTS, 200, instruction="Find the city")
-    assert tok.yes_id == hf_qwen_tokenizer.convert_tokens_to_ids("yes")
-    assert tok.no_id == hf_qwen_tokenizer.convert_tokens_to_ids("no")
-    assert tok.yes_id != tok.no_id
+    assert tok.answer_ids.yes == hf_qwen_tokenizer.convert_tokens_to_ids("yes")
+    assert tok.answer_ids.no == hf_qwen_tokenizer.convert_tokens_to_ids("no")
+    assert tok.answer_ids.yes != tok.answer_ids.no
 
 
 def test_qwen3_untruncated_limit(qwen_folder):
@@ -272,7 +272,7 @@ def test_qwen3_reranker_folder_loads(qwen_folder, qwen_tok):
     enc = qwen_tok.encode(QUERY, DOCUMENTS[:2])
     with torch.no_grad():
         out = model(input_ids=torch.tensor([split(enc)[0]])).logits[0, -1]
-    pair = out[[qwen_tok.no_id, qwen_tok.yes_id]]
+    pair = out[list(qwen_tok.answer_ids)]
     assert torch.isfinite(pair).all()
     spec = load_model_spec(qwen_folder, task="rerank")
     assert spec.architecture == "qwen3" and spec.causal

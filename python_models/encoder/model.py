@@ -21,8 +21,10 @@ from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
 from pergola.metrics import EncoderMetrics
 from pergola.pooling import finish
-from pergola.triton_io import (embed_options, error_response, exit_soon, instance_device, is_fatal_device_error,
-                               optional_array, required_array, set_cpu_threads, top_n_option)
+from pergola.rerank import RerankOptions, rank
+from pergola.triton_io import (EmbedOptions, embed_options, error_response, exit_soon, instance_device,
+                               is_fatal_device_error, optional_array, required_array, rerank_options,
+                               set_cpu_threads)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -49,7 +51,7 @@ class TritonPythonModel:
                                on_step=lambda: self.metrics.update(self.engine.stats),
                                on_idle=lambda: self.metrics.flush(self.engine.stats), on_fatal=self._fatal)
 
-    def _decode(self, request) -> tuple[EncodeRequest, tuple]:
+    def _decode(self, request) -> tuple[EncodeRequest, EmbedOptions | RerankOptions]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
         when execute() returns, before the loop computes it."""
         req = EncodeRequest(
@@ -60,7 +62,7 @@ class TritonPythonModel:
         )
         self.engine.validate(req)
         if self.rerank:
-            return req, (top_n_option(pb_utils, request),)
+            return req, rerank_options(pb_utils, request)
         return req, embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize)
 
     def execute(self, requests: list) -> None:
@@ -77,17 +79,13 @@ class TritonPythonModel:
                 self._fail(sender, e)
         return None
 
-    def _deliver(self, sender, options: tuple, pooled: np.ndarray) -> None:
-        if self.rerank:
+    def _deliver(self, sender, options: EmbedOptions | RerankOptions, pooled: np.ndarray) -> None:
+        if isinstance(options, RerankOptions):
             score = np.ascontiguousarray(pooled[:, 0], dtype=np.float32)  # [n], input order
-            order = np.argsort(-score, kind="stable").astype(np.int32)
-            top_n = options[0]
-            tensors = [pb_utils.Tensor("SCORE", score), pb_utils.Tensor("INDICES", order[:top_n] if top_n else order)]
+            outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:
-            dims, normalize, encoding = options
-            outputs = encoded_outputs(finish(pooled, dims, normalize), encoding)
-            tensors = [pb_utils.Tensor(k, v) for k, v in outputs.items()]
-        sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL)
+            outputs = encoded_outputs(finish(pooled, options.dimensions, options.normalize), options.encoding)
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]), flags=FINAL)
 
     @staticmethod
     def _fail(sender, exc: BaseException) -> None:

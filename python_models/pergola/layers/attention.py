@@ -1,17 +1,23 @@
 """Ragged attention: all sequences concatenated, `cu_seqlens` offsets, no padding in the model.
 
-Backends share one call signature, `backend(q, k, v, meta) -> out`, with
-q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim].
-The metadata is an explicit argument (not a module-global context), built once per batch.
+Every kernel is an `AttentionBackend`: `backend(q, k, v, meta) -> out`, with
+q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]. The metadata is an
+explicit argument (not a module-global context), built once per step; a backend that plans on the
+host (FlashInfer) does so once per step in `plan()`, and its plan travels in `meta.plan`.
+`BACKENDS` is the one registry of names: `make_backend` builds from it and the start-up probe
+takes its candidates from it.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from pergola.layers.fused import HAVE_TRITON
 
 
 @dataclass
@@ -22,6 +28,7 @@ class AttentionMetadata:
     # For padded fallbacks (SDPA): position of each token in a [num_seqs * max_seqlen] grid.
     pad_index: torch.Tensor | None = None  # [num_tokens] int64
     key_mask: torch.Tensor | None = None  # [num_seqs, 1, 1, max_seqlen] bool, True = real token
+    plan: object | None = None  # what the step's backend.plan() returned (FlashInfer: the wrapper to run)
 
     @property
     def num_seqs(self) -> int:
@@ -43,17 +50,49 @@ class AttentionMetadata:
         return meta
 
 
-class AttentionBackend(Protocol):
-    name: str
+class AttentionBackend(abc.ABC):
+    """One ragged-attention kernel: all that the runner, the probe and the benchmarks use of it.
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+    A step: `plan()` once on the host, its result stored in `meta.plan`, then one call per layer.
+    Capabilities, declared per class:
+      needs_padding: the kernel reads meta.pad_index / meta.key_mask (built by
+        `AttentionMetadata.build(padded=True)`); the runner then builds each step's tensors itself,
+        without static buffers or CUDA graphs.
+      needs_plan: `plan()` does host work and `__call__` needs its result in `meta.plan`.
+      graph_safe: a call captured in a CUDA graph stays valid for every later step of the graph's
+        key (no host reads of step data; a plan, if any, re-planned in place).
+    """
+
+    name: ClassVar[str]  # the value of the attention_backend option
+    needs_padding: ClassVar[bool] = False
+    needs_plan: ClassVar[bool] = False
+    graph_safe: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def plan(self, cu_seqlens_host: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+             causal: bool, graph_key: tuple[int, int] | None = None) -> object | None:
+        """The host-side schedule of one step, for `meta.plan`; None for kernels that plan nothing.
+
+        cu_seqlens_host: [num_seqs + 1] int32 on the CPU, the step's meta.cu_seqlens.
+        graph_key: the (seqs, tokens) key of the CUDA graph the step runs in, None for an eager step.
+        A captured graph keeps the plan of its capture, so every later step of that key must get
+        the same plan object, re-planned in place.
+        """
+        return None
+
+    @abc.abstractmethod
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (views into the fused qkv projection) -> [T, Hq, D]."""
 
 
-class SdpaAttention:
+class SdpaAttention(AttentionBackend):
     """Pads into [num_seqs, heads, max_seqlen, head_dim] and calls SDPA: the CPU path.
 
     Padding only exists inside attention; dense layers stay on flat tokens. Padded key columns
-    are masked, so a sequence's result does not depend on its batch neighbours.
+    are masked, so a sequence's result does not depend on its batch neighbours. Not graph-safe:
+    the padded grid's shape follows each step's longest sequence.
     """
 
     name = "sdpa"
@@ -78,11 +117,15 @@ class SdpaAttention:
         return out.index_select(0, meta.pad_index)
 
 
-class TorchFlashAttention:
-    """PyTorch's built-in FlashAttention-2 varlen kernel (CUDA, fp16/bf16): no extra package."""
+class TorchFlashAttention(AttentionBackend):
+    """PyTorch's built-in FlashAttention-2 varlen kernel (CUDA, fp16/bf16): no extra package.
+
+    Graph-safe: cu_seqlens is read on the device, and inside a graph max_seqlen is the bucket's
+    token count, a bound for any step of the bucket.
+    """
 
     name = "torch_flash"
-    needs_padding = False
+    graph_safe = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.ops.aten._flash_attention_forward(
@@ -92,14 +135,13 @@ class TorchFlashAttention:
         return out
 
 
-class FlashAttention4:
+class FlashAttention4(AttentionBackend):
     """FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL, module `flash_attn.cute`): varlen forward.
 
     On the H200 (4.0.0b36, its sm90 kernel FlashAttentionForwardSm90) it matches PyTorch's FA2
-    eagerly and inside graphs (tests/test_gpu.py), and per layer call, replayed in a graph, it takes
-    34 µs at one 2,048-token text and 112 µs at one of 4,096 where FlashInfer's FA3 takes 47 and
-    135; at the other graph shapes the two are within 6% except 8 x 512 tokens (FA3 12% faster), and
-    launched eagerly it takes ~180 µs more per call than in a graph (perf/RESULTS.md, session 7).
+    eagerly and inside graphs (tests/test_gpu.py); replayed in a graph it is the fastest kernel
+    measured at one 2,048- or 4,096-token text and close to FlashInfer's FA3 elsewhere, while
+    launched eagerly it pays ~180 µs of host work per call (perf/results/2026-12-03-a4c7de7/).
     `flash_attn_varlen_func` takes cu_seqlens on the device and max_seqlen as Python ints and reads
     no tensor on the host in the forward, so the call is graph-safe once its kernel is compiled; it
     returns (out, lse), lse None unless asked for. Kernels are JIT-compiled per variant on first use
@@ -110,12 +152,11 @@ class FlashAttention4:
     """
 
     name = "flash_attn4"
-    needs_padding = False
     graph_safe = True
     # Forward kernels exist for 8.x-12.x in the source; the package names Hopper and Blackwell.
     SUPPORTED_MAJORS = (9, 10, 11)
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         if device.type != "cuda":
             raise ValueError("attention backend flash_attn4 needs a CUDA device")
         major, minor = torch.cuda.get_device_capability(device)
@@ -124,6 +165,7 @@ class FlashAttention4:
                              f"GPU; this one is sm{major}{minor}")
         from flash_attn.cute import flash_attn_varlen_func  # optional: pip install "flash-attn-4[cu13]"
 
+        super().__init__(device, dtype)
         self._varlen = flash_attn_varlen_func
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -133,38 +175,12 @@ class FlashAttention4:
         return out
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "sdpa": SdpaAttention,
-    "torch_flash": TorchFlashAttention,
-}
-
-
-def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """Pick a backend: 'auto' is FA2 varlen on CUDA in half precision, padded SDPA otherwise."""
-    if name == "auto":
-        name = "torch_flash" if device.type == "cuda" and dtype != torch.float32 else "sdpa"
-    if name.startswith("flashinfer_"):
-        if device.type != "cuda":
-            raise ValueError(f"attention backend {name} needs a CUDA device")
-        return FlashInferAttention(name.split("_", 1)[1], device, dtype)
-    if name == "flash_attn4":
-        return FlashAttention4(device)
-    if name == "triton":
-        from pergola.layers.triton_attention import TritonAttention
-
-        return TritonAttention(device)
-    if name not in BACKENDS:
-        from pergola.config import ATTENTION_BACKENDS  # the one list of names
-
-        raise ValueError(f"attention backend {name!r} is not available here; choose from {list(ATTENTION_BACKENDS)}")
-    return BACKENDS[name]()
-
-
-class FlashInferAttention:
+class FlashInferAttention(AttentionBackend):
     """FlashInfer's ragged prefill (`fa2` or `fa3` template), eager and inside CUDA graphs.
 
     Planning is host work (it reads cu_seqlens on the CPU and writes a work schedule into an
-    int workspace), so `plan()` runs once per step before the forward, never per layer.
+    int workspace), so `plan()` runs once per step before the forward, never per layer, and
+    returns the wrapper it planned, which `__call__` runs from `meta.plan`.
     Eager steps share one wrapper that plans any batch. Each graph key (seqs, tokens) gets its
     own wrapper in FlashInfer's CUDA-graph mode: fixed indptr buffers, a grid sized for the
     key's worst case, and a schedule re-planned into the same addresses before every replay,
@@ -174,44 +190,43 @@ class FlashInferAttention:
     prebuilt module is installed (`scripts/gpu_bundle.py --with-flashinfer` ships them).
     """
 
-    needs_padding = False
+    template: ClassVar[str]  # FlashInfer's prefill backend: "fa2" or "fa3"
     needs_plan = True
     graph_safe = True
 
-    def __init__(self, backend: str, device: torch.device, dtype: torch.dtype, workspace_mb: int = 128) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, workspace_mb: int = 128) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"attention backend {self.name} needs a CUDA device")
         import flashinfer  # optional dependency: pip install flashinfer-python
 
+        super().__init__(device, dtype)
         self._flashinfer = flashinfer
-        self.name = f"flashinfer_{backend}"
-        self.backend, self.device, self.dtype = backend, device, dtype
         self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)
         self.eager = self._wrapper(None)
         self.graphed: dict[tuple[int, int], object] = {}
-        self.active = self.eager
         self._planned: dict[int, tuple] = {}  # id(wrapper) -> what it was last planned for
         self._copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan's upload
 
     def _wrapper(self, num_seqs: int | None):
         make = self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper
         if num_seqs is None:
-            return make(self.workspace, "NHD", backend=self.backend)
+            return make(self.workspace, "NHD", backend=self.template)
         qo = torch.zeros(num_seqs + 1, dtype=torch.int32, device=self.device)
         return make(self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo,
-                    kv_indptr_buf=torch.zeros_like(qo), backend=self.backend)
+                    kv_indptr_buf=torch.zeros_like(qo), backend=self.template)
 
     def plan(self, cu_seqlens_host: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-             causal: bool, graph_key: tuple[int, int] | None = None) -> None:
-        """Schedule the next step; `graph_key` selects the wrapper a graph of that key replays."""
+             causal: bool, graph_key: tuple[int, int] | None = None) -> object:
+        """Schedule the next step; -> the wrapper to run it: the eager one, or `graph_key`'s own."""
         if graph_key is None:
             wrapper = self.eager
         else:
             wrapper = self.graphed.get(graph_key)
             if wrapper is None:
                 wrapper = self.graphed[graph_key] = self._wrapper(graph_key[0])
-        self.active = wrapper
         key = (tuple(cu_seqlens_host.tolist()), num_heads, num_kv_heads, head_dim, causal)
         if self._planned.get(id(wrapper)) == key:
-            return
+            return wrapper
         # plan() fills one pinned buffer and uploads it asynchronously: the previous upload
         # from that buffer must have run before it is overwritten (steps are pipelined).
         copied = self._copied.get(id(wrapper))
@@ -222,6 +237,92 @@ class FlashInferAttention:
         event = self._copied.setdefault(id(wrapper), torch.cuda.Event())
         event.record()
         self._planned[id(wrapper)] = key
+        return wrapper
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.active.run(q, k, v)
+        if meta.plan is None:
+            raise ValueError(f"attention backend {self.name} runs a planned step: set meta.plan = backend.plan(...)")
+        return meta.plan.run(q, k, v)
+
+
+class FlashInferFA2(FlashInferAttention):
+    name = "flashinfer_fa2"
+    template = "fa2"
+
+
+class FlashInferFA3(FlashInferAttention):
+    name = "flashinfer_fa3"
+    template = "fa3"  # Hopper only
+
+
+def _make_triton(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    from pergola.layers.triton_attention import TritonAttention  # that module imports this one
+
+    return TritonAttention(device, dtype)
+
+
+# --- which backends "auto"'s start-up probe times (pergola.layers.attention_probe) ------------
+def flashinfer_ready(template: str, head_dim: int, dtype: torch.dtype) -> bool:
+    """Is FlashInfer importable with its `template` prefill module already built (AOT or JIT cache)?
+
+    Compiling on first use takes 20-70 s, which a start-up must not pay silently.
+    """
+    try:
+        from flashinfer.jit.attention import gen_batch_prefill_module
+    except Exception:  # noqa: BLE001 - not installed, or installed without its dependencies
+        return False
+    if template == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        return False  # the FA3 template is Hopper-only
+    try:
+        spec = gen_batch_prefill_module(template, dtype, dtype, dtype, torch.int32, head_dim, head_dim,
+                                        0, False, False, False)
+        return bool(spec.is_compiled)
+    except Exception:  # noqa: BLE001 - an API change must not stop the model from loading
+        return False
+
+
+def fa4_ready(opt_in: bool) -> bool:
+    """Did the config opt in (`probe_fa4`), does `flash_attn.cute` import, does this GPU have its kernels?"""
+    if not opt_in:
+        return False
+    if torch.cuda.get_device_capability()[0] not in FlashAttention4.SUPPORTED_MAJORS:
+        return False
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or its CuTe DSL libraries are missing
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registered backend: how to build it, and whether the start-up probe times it here."""
+
+    make: Callable[[torch.device, torch.dtype], AttentionBackend]
+    # (head_dim, dtype, probe_fa4) -> is it a probe candidate on this machine?
+    probe_candidate: Callable[[int, torch.dtype, bool], bool] = lambda *_: False
+
+
+# The one list of backends, in the probe's order (the first candidate is its fallback).
+# pergola.config.ATTENTION_BACKENDS holds the same names for a torch-free import
+# (tests/test_attention_backends.py keeps them equal).
+BACKENDS: dict[str, BackendEntry] = {
+    "sdpa": BackendEntry(SdpaAttention),  # the CPU and FP32 path; padded, so never timed by the probe
+    "torch_flash": BackendEntry(TorchFlashAttention, lambda *_: True),
+    # pergola's own kernel for short steps (pergola.layers.triton_attention)
+    "triton": BackendEntry(_make_triton, lambda *_: HAVE_TRITON and torch.cuda.is_available()),
+    "flashinfer_fa2": BackendEntry(FlashInferFA2, lambda head_dim, dtype, probe_fa4:
+                                   flashinfer_ready("fa2", head_dim, dtype)),
+    "flashinfer_fa3": BackendEntry(FlashInferFA3, lambda head_dim, dtype, probe_fa4:
+                                   flashinfer_ready("fa3", head_dim, dtype)),
+    "flash_attn4": BackendEntry(FlashAttention4, lambda head_dim, dtype, probe_fa4: fa4_ready(probe_fa4)),
+}
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """Build a backend: 'auto' is FA2 varlen on CUDA in half precision, padded SDPA otherwise."""
+    if name == "auto":
+        name = "torch_flash" if device.type == "cuda" and dtype != torch.float32 else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not available here; choose from {['auto', *BACKENDS]}")
+    return BACKENDS[name].make(device, dtype)

@@ -2,22 +2,24 @@
 
 `attention_backend = "auto"` on a GPU runs it once per model load (about a second). Graph-sized
 steps are timed the way they run, replayed from a CUDA graph (FlashInfer in its CUDA-graph mode),
-and the fastest kernel is chosen per class of step size (up to 512, 2048, 4096 tokens): at one
-128-token text FlashInfer's graph mode pays a split-KV merge kernel per layer that PyTorch's FA2
-does not, while at 4096 tokens FlashInfer's FA3 is twice as fast (perf/RESULTS.md). Full
-token-budget steps are timed eagerly, as they run, and pick the eager kernel. Which kernel wins
-depends on the GPU, head layout and step shape, hence measuring instead of a fixed table.
+and the fastest kernel is chosen per class of step size (up to 512, 2048 tokens and the graph
+crossover): at one 128-token text FlashInfer's graph mode pays a split-KV merge kernel per layer
+that PyTorch's FA2 does not, while at 4096 tokens FlashInfer's FA3 is twice as fast
+(perf/RESULTS.md). Full token-budget steps are timed eagerly, as they run, and pick the eager
+kernel. Which kernel wins depends on the GPU, head layout and step shape, hence measuring instead
+of a fixed table.
 
-FlashInfer kernels that are not compiled yet are left out: compiling them on first use takes
-20-70 s, which a start-up must not pay silently. Ship them prebuilt (scripts/gpu_bundle.py) or
-name the backend explicitly in the config to compile it once.
+The candidates are the registered backends whose rule says yes here (BACKENDS in
+pergola.layers.attention). FlashInfer kernels that are not compiled yet are left out: compiling
+them on first use takes 20-70 s, which a start-up must not pay silently. Ship them prebuilt
+(scripts/gpu_bundle.py) or name the backend explicitly in the config to compile it once.
 
 FlashAttention-4 (`flash_attn4`) also compiles on first use (CuTe DSL JIT, one kernel per variant;
 the probe's shapes need several) and has no prebuilt form: on the H200 that made a Qwen3-0.6B
-load take 15.8 s instead of 4.3 s. So it is timed only when `probe_fa4` (`--probe-fa4`) asks for it,
-and only on the GPUs it supports; there it wins the graph classes that hold one long text
-(4,096 tokens: 112 µs per layer against FA3's 135), which is worth the compile for long-query
-latency and not for short queries.
+load take 15.8 s instead of 4.3 s. So it is timed only when `probe_fa4` (`--probe-fa4`) asks for
+it, and only on the GPUs it supports; there it wins the graph classes that hold one long text,
+which is worth the compile for long-query latency and not for short queries
+(perf/results/2026-12-03-a4c7de7/).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pergola.config import CUDA_GRAPH_MAX_TOKENS
 from pergola.cudagraph import capture
-from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
-from pergola.layers.fused import HAVE_TRITON, split_qkv
+from pergola.layers.attention import BACKENDS, AttentionBackend, AttentionMetadata, make_backend
+from pergola.layers.fused import split_qkv
 
 log = logging.getLogger("pergola.attention")
 
@@ -37,7 +40,7 @@ log = logging.getLogger("pergola.attention")
 GRAPH_CLASSES: dict[int, list[tuple[int, int]]] = {
     512: [(1, 128), (1, 512)],  # online queries
     2048: [(8, 128), (4, 512), (1, 2048)],  # small batches
-    4096: [(8, 512), (1, 4096)],  # up to the default graph crossover
+    CUDA_GRAPH_MAX_TOKENS: [(CUDA_GRAPH_MAX_TOKENS // 512, 512), (1, CUDA_GRAPH_MAX_TOKENS)],  # up to the crossover
 }
 SMALL_SHAPES = [shape for shapes in GRAPH_CLASSES.values() for shape in shapes]
 # ... and what a full 16k-token step of bulk embedding looks like (eager).
@@ -57,45 +60,9 @@ class ProbeResult:
         return self.graph_rules[0][1]
 
 
-def flashinfer_ready(backend: str, head_dim: int, dtype: torch.dtype) -> bool:
-    """Is FlashInfer importable with its `backend` prefill module already built (AOT or JIT cache)?"""
-    try:
-        from flashinfer.jit.attention import gen_batch_prefill_module
-    except Exception:  # noqa: BLE001 - not installed, or installed without its dependencies
-        return False
-    if backend == "fa3" and torch.cuda.get_device_capability()[0] != 9:
-        return False  # the FA3 template is Hopper-only
-    try:
-        spec = gen_batch_prefill_module(backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim,
-                                        0, False, False, False)
-        return bool(spec.is_compiled)
-    except Exception:  # noqa: BLE001 - an API change must not stop the model from loading
-        return False
-
-
-def fa4_ready(opt_in: bool) -> bool:
-    """Did the config opt in (`probe_fa4`), does `flash_attn.cute` import, does this GPU have its kernels?"""
-    if not opt_in:
-        return False
-    from pergola.layers.attention import FlashAttention4
-
-    if torch.cuda.get_device_capability()[0] not in FlashAttention4.SUPPORTED_MAJORS:
-        return False
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed, or its CuTe DSL libraries are missing
-        return False
-    return True
-
-
 def candidates(head_dim: int, dtype: torch.dtype, probe_fa4: bool = False) -> list[str]:
-    names = ["torch_flash"]
-    if HAVE_TRITON and torch.cuda.is_available():
-        names.append("triton")  # pergola's own kernel for short steps (pergola.layers.triton_attention)
-    names += [f"flashinfer_{b}" for b in ("fa2", "fa3") if flashinfer_ready(b, head_dim, dtype)]
-    if fa4_ready(probe_fa4):
-        names.append("flash_attn4")
-    return names
+    """The registered backends timed on this machine, in registry order (torch_flash, the fallback, first)."""
+    return [name for name, entry in BACKENDS.items() if entry.probe_candidate(head_dim, dtype, probe_fa4)]
 
 
 def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: int, causal: bool,
@@ -111,9 +78,8 @@ def time_backend(attn: AttentionBackend, heads: int, kv_heads: int, head_dim: in
     t = seqs * length
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
     cu_host = torch.arange(0, t + 1, length, dtype=torch.int32)
-    meta = AttentionMetadata(cu_seqlens=cu_host.to(device), max_seqlen=length, causal=causal)
-    if getattr(attn, "needs_plan", False):
-        attn.plan(cu_host, heads, kv_heads, head_dim, causal, graph_key=(seqs, t) if graphed else None)
+    plan = attn.plan(cu_host, heads, kv_heads, head_dim, causal, graph_key=(seqs, t) if graphed else None)
+    meta = AttentionMetadata(cu_seqlens=cu_host.to(device), max_seqlen=length, causal=causal, plan=plan)
     q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
     call = lambda: attn(q, k, v, meta)  # noqa: E731
     for _ in range(3):

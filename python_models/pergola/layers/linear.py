@@ -1,11 +1,17 @@
-"""Matmuls y = x @ W^T of the decoder layers: cuBLAS, or a Triton kernel where it measured faster.
+"""Projections y = x @ W^T of the models, on cuBLAS or a Triton kernel where it measured faster.
+
+`Linear` and its fused forms (`MergedLinear` for q | k | v, `GateUpLinear` for gate | up + SiLU)
+hold their weights in Hugging Face's layout, load checkpoint shards through their parameters'
+`weight_loader`, and keep the rows of the tile table that match their shape (`select_tiles`, when
+the model is built for a device): tiles depend only on (kind, N, K), M picks the row per call.
 
 Why Triton kernels at all: (1) at batch-1 sizes (M ~ 128 tokens) cuBLAS tiles the output
 128 x 128, so the 1024-column o/down projections of Qwen3-0.6B run as 8 CTAs on 132 SMs and read
 their weights at ~0.7 TB/s of the H200's 4.8; narrow Triton tiles (BN 32-64) put 64-256 CTAs on
 the same matmul. (2) `gated` is gate_up + SiLU*mul in one kernel, which saves the [M, 2I] round
 trip through memory: for large M a persistent TMA kernel whose wgmma tile spans BN gate and BN
-up columns, 18-20% faster than cuBLAS + the SiLU kernel from M = 4096 on the H200.
+up columns, faster than cuBLAS + the SiLU kernel from M = 1024 on the H200
+(perf/results/2026-12-02-e5fe34e/).
 
 Which kernel and tile serve which M is a table measured on the GPU (`perf/bench_gemm.py` prints
 it); shapes the table does not cover, and every CPU call, take the PyTorch path. Numerics are
@@ -15,13 +21,13 @@ to the dtype before SiLU, as HF's separate ops do.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pergola.layers.fused import HAVE_TRITON, silu_and_mul, use_triton
 
@@ -56,19 +62,15 @@ class Tile:
 
 
 # "kind:NxK" -> [(largest M, tile or None for cuBLAS)] in increasing M; past the last row, and
-# for shapes not listed, cuBLAS (+ the SiLU kernel) runs. Measured by perf/bench_gemm.py on the
-# H200 (perf/RESULTS.md, "Matmul kernels"); `--matmul file.json` (what bench_gemm
-# --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
+# for shapes not listed, cuBLAS (+ the SiLU kernel) runs. `--matmul file.json` (what
+# perf/bench_gemm.py --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
 TileTable = dict[str, list[tuple[int, Tile | None]]]
-# H200, Qwen3-0.6B projections, 2026-12-02. Session 3 (perf/results/2026-12-02-session3/gemm.log):
-# the pointer kernel won only at M <= 64 (gate_up+SiLU 7.6 -> 6.1 µs at M=16, 7.9 -> 6.6 at 64; qkv
-# 5.4 -> 5.2 at 64); from M = 128 cuBLAS (nvjet) wins every plain shape, the persistent TMA kernel
-# included (equal at M = 4096, 4-10% slower at 16384; session5/lease1_gemm.log). Session 5
-# (perf/results/2026-12-02-session5/gemm.log, final/gemm_mid.log): gate_up + SiLU on the TMA kernel
-# beats cuBLAS + the SiLU kernel by 10% at M = 1024 (22.0 vs 24.5 µs), 18% at 2048 (38.6 vs 47.2)
-# and 18-20% from 4096 (74.6 vs 90.9; 295 vs 367 at 16384, 699 TFLOP/s); from 128 to 512 cuBLAS
-# wins (512: 14.4 vs 14.8). Past 16384 (beyond the default step budget) the kernel is in the same
-# compute-bound regime, so the last row extends it.
+# H200, Qwen3-0.6B projections, measured by perf/bench_gemm.py (perf/results/2026-12-02-72be249/ and
+# perf/results/2026-12-02-e5fe34e/): the pointer kernel wins only at M <= 64 (gate_up + SiLU 7.6 ->
+# 6.1 µs at M = 16); from M = 128 cuBLAS wins every plain shape, the persistent TMA kernel included.
+# gate_up + SiLU on the TMA kernel beats cuBLAS + the SiLU kernel from M = 1024 (10%; 18-20% from
+# 2048), cuBLAS wins from 128 to 512. Past 16384 (beyond the default step budget) the kernel is in
+# the same compute-bound regime, so the last row extends it.
 SM90_TILES: TileTable = {
     "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
     "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128)), (512, None),
@@ -105,35 +107,21 @@ def tiles_for(matmul: str, device: torch.device) -> TileTable:
     return SM90_TILES if torch.cuda.get_device_capability(device) == (9, 0) else {}
 
 
-_active: TileTable = {}  # the table of the forward being traced or run eagerly (see use_tiles)
+TileRows = tuple[tuple[int, Tile | None], ...]  # one projection's rows of a TileTable
 
 
-@contextlib.contextmanager
-def use_tiles(table: TileTable) -> Iterator[None]:
-    """Make `table` the one `linear` / `gated_linear` consult, for one engine's forward.
-
-    A forward runs on one thread at a time and graph replays never call back into Python, so a
-    module-level slot set around the forward lets two engines in one process use two tables.
-    """
-    global _active
-    previous, _active = _active, table
-    try:
-        yield
-    finally:
-        _active = previous
+def tile_rows(table: TileTable, kind: str, n: int, k: int) -> TileRows:
+    """The rows of `table` for a [*, k] x [n, k] matmul; a tile that does not divide (n, k) becomes cuBLAS."""
+    return tuple((m, tile if tile is not None and tile.fits(n, k) else None)
+                 for m, tile in table.get(table_key(kind, n, k), ()))
 
 
-def pick_tile(table: TileTable, kind: str, m: int, n: int, k: int) -> Tile | None:
-    for max_m, tile in table.get(table_key(kind, n, k), ()):
+def pick_tile(rows: TileRows, m: int) -> Tile | None:
+    """The tile of the first row whose largest M covers `m`; None (cuBLAS) past the last row."""
+    for max_m, tile in rows:
         if m <= max_m:
-            return tile if tile is not None and tile.fits(n, k) else None
+            return tile
     return None
-
-
-def _triton_tile(x: torch.Tensor, kind: str, n: int, k: int) -> Tile | None:
-    if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return pick_tile(_active, kind, x.shape[0], n, k)
 
 
 if HAVE_TRITON:
@@ -187,7 +175,7 @@ if HAVE_TRITON:
         # GATED: W is seen as [2, I, K] (gate | up), so one [2, BN, BK] load brings the gate rows
         # and the matching up rows, one [BM, 2 BN] dot multiplies both (the wgmma shape of a
         # 128 x 256 tile), and the epilogue writes silu(gate) * up [BM, BN]: the [M, 2I] product
-        # never reaches memory. (Two accumulators fed by two loads ran 27-59% slower: perf/RESULTS.md.)
+        # never reaches memory. (Two accumulators fed by two loads ran slower: perf/results/2026-12-02-e5fe34e/.)
         start = tl.program_id(0)
         num_m = tl.cdiv(M, BM)
         num_n = N // BN
@@ -262,15 +250,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N]: the measured-fastest kernel for this M, else cuBLAS.
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+           tile: Tile | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] on `tile`, or cuBLAS when it is None.
 
     residual [M, N]: add the product to it in place and return it. The add happens in the
     matmul's epilogue (cuBLAS beta = 1 reads C while the tile is written; fp32 sum, one
     rounding), so the next RMSNorm reads one [M, N] tensor instead of two and writes one
     instead of two. In place on purpose: torch's out-of-place addmm first copies C to the output.
     """
-    tile = _triton_tile(x, "plain", weight.shape[0], weight.shape[1])
     if residual is None:
         return F.linear(x, weight) if tile is None else triton_linear(x, weight, tile)
     if tile is None:
@@ -278,7 +266,106 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     return triton_linear(x, weight, tile, out=residual)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """silu(x @ W_gate^T) * (x @ W_up^T) for weight = gate | up [2I, K]: [M, K] -> [M, I]."""
-    tile = _triton_tile(x, "gated", weight.shape[0] // 2, weight.shape[1])
     return silu_and_mul(F.linear(x, weight)) if tile is None else triton_linear(x, weight, tile, gated=True)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """A checkpoint tensor that is the whole parameter."""
+    param.data.copy_(loaded)
+
+
+def shard_loader(output_sizes: list[int]) -> Callable[..., None]:
+    """The weight_loader of a fused parameter: checkpoint part `shard_id` goes straight into its rows.
+
+    A closure over the sizes, not a bound method: the parameter must not hold its module alive.
+    """
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            raise ValueError(f"a fused parameter loads its {len(output_sizes)} parts one by one")
+        param.data.narrow(0, sum(output_sizes[:shard_id]), output_sizes[shard_id]).copy_(loaded)
+
+    return load
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ bias): [M, in_features] -> [M, out_features], weight [out, in] as in nn.Linear.
+
+    A projection without bias runs on the Triton tile its M picks from `tiles`, else cuBLAS; with
+    a bias it is cuBLAS with the bias in the epilogue (no tile has one).
+    """
+
+    kind = "plain"  # the tile table's kind for this projection
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features))
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
+        self.tiles: TileRows = ()  # cuBLAS until select_tiles
+
+    @property
+    def output_columns(self) -> int:
+        """N of this projection's matmul (the tile table's key)."""
+        return self.weight.shape[0]
+
+    def select_tiles(self, table: TileTable) -> None:
+        """Keep this projection's rows of `table` (tiles_for the device the model is built on)."""
+        if self.bias is None:
+            self.tiles = tile_rows(table, self.kind, self.output_columns, self.weight.shape[1])
+
+    def tile(self, x: torch.Tensor) -> Tile | None:
+        """The Triton tile for x [M, K], or None for cuBLAS (CPU, FP32, no row for this M)."""
+        if not self.tiles or not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return pick_tile(self.tiles, x.shape[0])
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] -> [M, out]; residual [M, out]: the product is added to it in place (`linear`)."""
+        if self.bias is not None:
+            y = F.linear(x, self.weight, self.bias)
+            return y if residual is None else residual.add_(y)
+        return linear(x, self.weight, residual, self.tile(x))
+
+
+class MergedLinear(Linear):
+    """Projections of one input fused into one matmul: weight = W_0 | W_1 | ... along N.
+
+    The checkpoint keeps them apart (q_proj, k_proj, v_proj); each is copied into its rows of the
+    fused weight (and bias) as it is read.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = shard_loader(list(output_sizes))
+
+
+class GateUpLinear(MergedLinear):
+    """silu(x @ W_gate^T) * (x @ W_up^T): [M, in] -> [M, I], weight gate | up [2I, in], no bias."""
+
+    kind = "gated"
+
+    def __init__(self, in_features: int, intermediate_size: int) -> None:
+        super().__init__(in_features, [intermediate_size, intermediate_size])
+
+    @property
+    def output_columns(self) -> int:
+        return self.weight.shape[0] // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_linear(x, self.weight, self.tile(x))
+
+
+def select_tiles(model: nn.Module, table: TileTable) -> None:
+    """Give every projection of `model` its rows of `table`."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.select_tiles(table)

@@ -1,11 +1,10 @@
 """Ragged attention as one small Triton kernel: for the short steps of online queries.
 
-Why another kernel: at one 128-token text the general-purpose kernels cost more than the math.
-FlashInfer's FA3 takes 6.5 µs per layer call there and PyTorch's FA2 9.2 µs (perf/RESULTS.md,
-session 7) for ~67 MFLOP, i.e. the time is set-up, scheduling and tail, and 28 layers pay it
-at every batch-1 query. This kernel does no planning and has no split-KV merge: one program per
-(block of BM query tokens, query head) walks its keys in BN-token blocks with an online softmax
-(FlashAttention's recurrence, exp2 with the scale folded in) and writes its rows once.
+Why another kernel: at one 128-token text the general-purpose kernels cost more than the math:
+a few µs per layer call for ~67 MFLOP, i.e. the time is set-up, scheduling and tail, and 28
+layers pay it at every batch-1 query. This kernel does no planning and has no split-KV merge: one
+program per (block of BM query tokens, query head) walks its keys in BN-token blocks with an
+online softmax (FlashAttention's recurrence, exp2 with the scale folded in) and writes its rows once.
 
 Ragged without a per-step schedule: a program's rows are BM consecutive tokens of the flat
 batch, which may belong to several sequences. Each row finds its own sequence [start, end) in
@@ -14,15 +13,10 @@ row's end (causal: to its last row), and masks per element. So the grid depends 
 (padded) token count, and the call is graph-safe with no host work. The price is wasted key
 blocks when many short sequences share a program's rows, and a serial key loop per program:
 the start-up probe (pergola.layers.attention_probe) times it against the other kernels per
-class of step size and only picks it where it wins.
-
-Measured on the H200 (Qwen3-0.6B heads, causal, µs per layer call replayed in a graph; the
-start-up probe, perf/RESULTS.md session 8): 4.7 at one 128-token text (FA3 6.4, PyTorch FA2
-9.2), 11.7 at one of 512 (FA3 11.3); it loses from 8 x 128 tokens up (7.9 vs 7.5; 87.6 vs 47.1
-at 2,048), so the probe gives it the class of steps up to 512 tokens. Where FlashInfer is not
-installed it beats PyTorch's FA2 at every graph shape measured (2x at 128 and 512 tokens).
-Qwen3's q/k-norm + RoPE folded into this kernel was measured and dropped: 11.8 µs against 5.6
-for this kernel + 3.3 for the separate norm kernel (each program re-normalised every key block).
+class of step size and only picks it where it wins. On the H200 with Qwen3-0.6B heads that is
+the class of steps up to 512 tokens; where FlashInfer is not installed it beats PyTorch's FA2 at
+every graph shape measured (perf/results/2026-12-03-87e4492/). Qwen3's q/k-norm + RoPE folded into this kernel was measured
+and dropped: each program re-normalised every key block, slower than a separate norm kernel.
 
 Layouts: q [T, Hq, D], k / v [T, Hkv, D], any token and head strides with a contiguous last
 dimension (views into the fused qkv projection are read in place); GQA maps query head h to
@@ -35,6 +29,7 @@ import math
 
 import torch
 
+from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import HAVE_TRITON
 
 if HAVE_TRITON:
@@ -115,8 +110,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """softmax(q k^T / sqrt(D)) v per sequence of the flat batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     block_m: query rows per program; by default 16 up to 128 tokens (more programs for a tiny
-    step: 4.95 vs 5.80 µs at one 128-token text on the H200) and 64 above (fewer key re-reads:
-    8.3 vs 8.9 µs at 256 tokens, 12.5 vs 20.8 at 512; perf/bench_short_attn.py, session 8).
+    step) and 64 above (fewer key re-reads), the faster of the two at each size on the H200
+    (perf/experiments/bench_short_attn.py; perf/results/2026-12-03-87e4492/).
     Half precision on a GPU (its dots would run FP32 inputs as TF32); FP32 anywhere in the
     interpreter.
     """
@@ -140,16 +135,16 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
-class TritonAttention:
+class TritonAttention(AttentionBackend):
     """`ragged_attention` behind the backend interface: no planning, graph-safe, CUDA only."""
 
     name = "triton"
-    needs_padding = False
     graph_safe = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         if device.type != "cuda" or not HAVE_TRITON:
             raise ValueError("attention backend triton needs a CUDA device and the triton package")
+        super().__init__(device, dtype)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return ragged_attention(q, k, v, meta.cu_seqlens, meta.causal)

@@ -1,9 +1,14 @@
-"""Model architectures (one file each) and the safetensors loader they share."""
+"""Model architectures (one file each), their base class and the safetensors loader they share.
+
+Loading follows nano-vllm: every parameter carries a `weight_loader(param, tensor, shard_id=None)`
+(a fused projection copies each checkpoint part straight into its rows, pergola.layers.linear;
+the default copies the whole tensor), and each architecture declares how checkpoint names map
+onto its parameters in the attributes of `Model`.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -11,6 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pergola.hf_folder import ModelFolderError, ModelSpec
+from pergola.layers.linear import TileTable, default_weight_loader, select_tiles
+from pergola.rerank import answer_ids, reranker_kind
 
 # architecture -> (module, class)
 ARCHITECTURES = {
@@ -19,7 +26,22 @@ ARCHITECTURES = {
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+class Model(nn.Module):
+    """An architecture as the loader reads it. Defaults: checkpoint names are parameter names."""
+
+    # Stripped from checkpoint names first (the "bert." of BertForSequenceClassification checkpoints).
+    checkpoint_prefixes: tuple[str, ...] = ()
+    # Checkpoint module -> (fused module, part index), e.g. "self_attn.k_proj" -> ("self_attn.qkv_proj", 1).
+    packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    # Checkpoint tensor -> a parameter outside Hugging Face's module tree that loads from it too
+    # (a reranker's score rows, cut from lm_head or the tied embeddings by their weight_loader).
+    extra_targets: dict[str, str] = {}
+
+    def post_load(self) -> None:
+        """Fill what is computed rather than read (RoPE tables), once the weights are in."""
+
+
+def model_class(architecture: str) -> type[Model]:
     module, name = ARCHITECTURES[architecture]
     return getattr(importlib.import_module(module), name)
 
@@ -31,79 +53,70 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def _target_name(name: str, model: nn.Module) -> tuple[str, int | None]:
-    """Checkpoint tensor name -> (parameter name, shard index inside a fused parameter)."""
-    for prefix in getattr(model, "checkpoint_prefixes", ()):
+def _targets(model: Model, name: str) -> list[tuple[str, int | None]]:
+    """Checkpoint tensor name -> [(parameter name, part index inside a fused parameter)]."""
+    for prefix in model.checkpoint_prefixes:
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
-    for src, (dst, shard) in getattr(model, "packed_modules_mapping", {}).items():
+    extra = [(model.extra_targets[name], None)] if name in model.extra_targets else []
+    for src, (dst, shard) in model.packed_modules_mapping.items():
         if src in name:
-            return name.replace(src, dst), shard
-    return name, None
+            return [(name.replace(src, dst), shard), *extra]
+    return [(name, None), *extra]
 
 
-def load_weights(model: nn.Module, folder: Path) -> None:
-    """Copy safetensors weights into `model` (already on its device and dtype), fusing shards."""
+def _parts(model: Model, param_name: str) -> set[int | None]:
+    """The part indices a parameter loads from ({None}: one whole tensor)."""
+    return {shard for dst, shard in model.packed_modules_mapping.values() if f"{dst}." in param_name} or {None}
+
+
+def load_weights(model: Model, folder: Path) -> None:
+    """Copy safetensors weights into `model` (already on its device and dtype) through each
+    parameter's weight_loader; a parameter, or a part of a fused one, left unread is an error."""
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    num_shards: dict[str, int] = defaultdict(int)
-    for dst, shard in getattr(model, "packed_modules_mapping", {}).values():
-        num_shards[dst.rsplit(".", 1)[-1]] = max(num_shards[dst.rsplit(".", 1)[-1]], shard + 1)
+    loaded: set[tuple[str, int | None]] = set()
     for path in _checkpoint_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                target, shard = _target_name(name, model)
-                if target not in params:
-                    if name in getattr(model, "extra_checkpoint_names", ()):
-                        loaded |= model.load_extra(name, f.get_tensor(name))
-                    continue  # pooler, heads this task does not use, position_ids buffers
-                if shard is None:
-                    params[target].data.copy_(f.get_tensor(name))
-                    loaded.add(target)
-                    continue
-                shards[target][shard] = f.get_tensor(name)
-                fused = target.rsplit(".", 2)[-2]
-                if len(shards[target]) == num_shards[fused]:
-                    parts = [shards[target][i] for i in range(num_shards[fused])]
-                    params[target].data.copy_(torch.cat(parts, 0))
-                    del shards[target]
-                    loaded.add(target)
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        loaded |= tie()
-    missing = sorted(set(params) - loaded)
+                # Names matching no parameter: pooler, heads this task does not use, position_ids buffers.
+                targets = [(target, shard) for target, shard in _targets(model, name) if target in params]
+                tensor = f.get_tensor(name) if targets else None
+                for target, shard in targets:
+                    param = params[target]
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+                    loaded.add((target, shard))
+    missing = sorted({name for name in params for part in _parts(model, name) if (name, part) not in loaded})
     if missing:
         raise ModelFolderError(f"{folder}: weights missing from the checkpoint: {missing[:8]}")
 
 
-def _yes_no_ids(spec: ModelSpec) -> tuple[int, int]:
-    """Token ids of "no" and "yes" (the Qwen3-Reranker answer words) in the folder's tokenizer."""
-    from tokenizers import Tokenizer
+def _materialize(model: Model, device: torch.device, dtype: torch.dtype) -> Model:
+    """A model built on the meta device, allocated on `device` in `dtype` (uninitialised).
 
-    tok = Tokenizer.from_file(str(spec.tokenizer_file))
-    ids = tok.token_to_id("no"), tok.token_to_id("yes")
-    if None in ids:
-        raise ModelFolderError(f"{spec.path}: the tokenizer has no single 'yes'/'no' tokens for reranking")
-    return ids  # type: ignore[return-value]
+    Casting on the meta device is free, and allocating once in the compute dtype avoids putting
+    2x the bf16 weights on the GPU first and a cast per tensor. The new tensors do not keep the
+    Python attributes of the meta ones, so each parameter's weight_loader is carried over.
+    """
+    attributes = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    model = model.to(dtype).to_empty(device=device)
+    for name, param in model.named_parameters():
+        vars(param).update(attributes[name])
+    return model
 
 
-def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Instantiate the architecture without initialising it, then load the folder's weights."""
-    cls = model_class(spec.architecture)
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles: TileTable) -> Model:
+    """Instantiate the architecture without initialising it, load the folder's weights, and give
+    each projection its rows of `tiles` (layers.linear.tiles_for this device)."""
     kwargs: dict = {"task": spec.task}
     if spec.architecture != "bert":
         kwargs["causal"] = spec.causal
-        if spec.task == "rerank":
-            kwargs["score_token_ids"] = _yes_no_ids(spec)
+    if spec.task == "rerank" and reranker_kind(spec) == "qwen3-reranker":
+        kwargs["answer_ids"] = answer_ids(spec)
     with torch.device("meta"):
-        model = cls(spec.hf_config, **kwargs)
-    # Cast on the meta device (free), then allocate once in the compute dtype: allocating in fp32
-    # and casting would put 2x the bf16 weights on the GPU first and run a cast per tensor.
-    model = model.to(dtype).to_empty(device=device)
+        model = model_class(spec.architecture)(spec.hf_config, **kwargs)
+    model = _materialize(model, device, dtype)
     load_weights(model, spec.path)
-    post_load = getattr(model, "post_load", None)
-    if post_load is not None:
-        post_load()
+    model.post_load()
+    select_tiles(model, tiles)
     return model.eval().requires_grad_(False)

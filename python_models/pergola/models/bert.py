@@ -1,7 +1,7 @@
 """BERT family encoder (BERT, MiniLM, ...) over flat tokens: [num_tokens, hidden], no padding.
 
 Module and weight names follow Hugging Face's `BertModel`, so checkpoints load by name; the
-query/key/value projections are fused into one `qkv` matmul at load (`packed_modules_mapping`).
+query/key/value projections are one fused `qkv` matmul, loaded part by part (`packed_modules_mapping`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergola.hf_folder import head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.linear import Linear, MergedLinear
+from pergola.models import Model
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -43,8 +46,8 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         h = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
-        self.head_dim = h // self.num_heads
-        self.qkv = nn.Linear(h, 3 * h)  # fused query | key | value
+        self.head_dim = head_dim(cfg)
+        self.qkv = MergedLinear(h, [h, h, h], bias=True)  # fused query | key | value
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -59,12 +62,12 @@ class BertLayer(nn.Module):
         self.attention = nn.Module()
         self.attention.self = BertSelfAttention(cfg)
         self.attention.output = nn.Module()
-        self.attention.output.dense = nn.Linear(h, h)
+        self.attention.output.dense = Linear(h, h, bias=True)
         self.attention.output.LayerNorm = nn.LayerNorm(h, eps=eps)
         self.intermediate = nn.Module()
-        self.intermediate.dense = nn.Linear(h, inter)
+        self.intermediate.dense = Linear(h, inter, bias=True)
         self.output = nn.Module()
-        self.output.dense = nn.Linear(inter, h)
+        self.output.dense = Linear(inter, h, bias=True)
         self.output.LayerNorm = nn.LayerNorm(h, eps=eps)
         self.act = ACTIVATIONS[cfg.get("hidden_act", "gelu")]
 
@@ -75,7 +78,7 @@ class BertLayer(nn.Module):
         return self.output.LayerNorm(y + x)
 
 
-class BertModel(nn.Module):
+class BertModel(Model):
     """Returns the last hidden states [num_tokens, hidden] of a ragged batch."""
 
     # checkpoint name -> (fused parameter, shard index)
@@ -96,8 +99,8 @@ class BertModel(nn.Module):
         if task == "rerank":  # BertForSequenceClassification's head: pooler (dense + tanh), classifier
             h = cfg["hidden_size"]
             self.pooler = nn.Module()
-            self.pooler.dense = nn.Linear(h, h)
-            self.classifier = nn.Linear(h, len(cfg.get("id2label") or {0: "LABEL_0"}))
+            self.pooler.dense = Linear(h, h, bias=True)
+            self.classifier = Linear(h, len(cfg.get("id2label") or {0: "LABEL_0"}), bias=True)
 
     def score(self, cls_states: torch.Tensor) -> torch.Tensor:
         """[B, hidden] fp32 [CLS] states -> [B, num_labels] fp32 scores.

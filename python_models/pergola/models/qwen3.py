@@ -1,7 +1,7 @@
 """Qwen3 decoder as an embedding model (Qwen3-Embedding, pplx-embed) over flat tokens: [T, hidden].
 
 Module and weight names follow Hugging Face's `Qwen3Model`, so checkpoints load by name; q/k/v
-and gate/up are fused into one matmul each at load (`packed_modules_mapping`). No KV cache and
+and gate/up are one fused matmul each, loaded part by part (`packed_modules_mapping`). No KV cache and
 no lm_head: an embedding needs the last hidden states only. Numerics follow HF: matmuls in the
 model dtype, RMSNorm statistics in fp32, RoPE tables computed in fp32; the one difference is the
 residual add, done in the o/down matmuls' epilogue in fp32 and rounded once (HF rounds the
@@ -11,15 +11,18 @@ Attention is causal (Qwen3-Embedding) or bidirectional (pplx-embed), decided by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from pergola.hf_folder import ModelFolderError
+from pergola.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import qk_norm_rope, rms_norm
-from pergola.layers.linear import gated_linear, linear
+from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
+from pergola.models import Model
+from pergola.rerank import AnswerIds
 
 
 class RMSNorm(nn.Module):
@@ -59,12 +62,12 @@ class Qwen3Attention(nn.Module):
         h = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
-        self.head_dim = cfg.get("head_dim") or h // self.num_heads
+        self.head_dim = head_dim(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias, eps = cfg.get("attention_bias", False), cfg.get("rms_norm_eps", 1e-6)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)  # fused q | k | v
-        self.o_proj = nn.Linear(self.q_size, h, bias=bias)
+        self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], bias=bias)  # fused q | k | v
+        self.o_proj = Linear(self.q_size, h, bias=bias)  # Qwen3: no bias, so Triton tiles may serve it
         self.q_norm = RMSNorm(self.head_dim, eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, eps)
 
@@ -78,31 +81,24 @@ class Qwen3Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self._project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
         q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
                                self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
-        return self._project(self.o_proj, attn(q, k, v, meta).reshape(t, self.q_size), residual)
-
-    @staticmethod
-    def _project(proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # Qwen3 has attention_bias=False; a biased variant keeps nn.Linear (cuBLAS + bias epilogue).
-        if proj.bias is not None:
-            return proj(x) if residual is None else residual.add_(proj(x))
-        return linear(x, proj.weight, residual)
+        return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
 
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False)  # fused gate | up
-        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.gate_up_proj = GateUpLinear(h, inter)  # fused gate | up, + SiLU * mul
+        self.down_proj = Linear(inter, h)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> silu(gate) * up [T, I] (one kernel where measured faster) -> down,
         # added in place to the residual stream [T, hidden], which is returned.
-        return linear(gated_linear(x, self.gate_up_proj.weight), self.down_proj.weight, residual)
+        return self.down_proj(self.gate_up_proj(x), residual)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -138,7 +134,16 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     return float(params.get("rope_theta") or cfg.get("rope_theta", 10000.0))
 
 
-class Qwen3Model(nn.Module):
+def _rows_loader(rows: list[int]) -> Callable[..., None]:
+    """A weight_loader that keeps `rows` of the checkpoint tensor (a [vocab, hidden] lm_head)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        param.data.copy_(loaded[rows])
+
+    return load
+
+
+class Qwen3Model(Model):
     """Returns the last hidden states [num_tokens, hidden] (after the final norm) of a ragged batch."""
 
     # checkpoint name -> (fused parameter, shard index)
@@ -149,10 +154,10 @@ class Qwen3Model(nn.Module):
         "mlp.gate_proj": ("mlp.gate_up_proj", 0),
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
-    checkpoint_prefixes = ("model.",)  # Qwen3ForCausalLM checkpoints; lm_head.* is skipped
+    checkpoint_prefixes = ("model.",)  # Qwen3ForCausalLM checkpoints; lm_head serves a reranker's score only
 
     def __init__(self, cfg: dict[str, Any], causal: bool = True, task: str = "embed",
-                 score_token_ids: tuple[int, int] | None = None) -> None:
+                 answer_ids: AnswerIds | None = None) -> None:
         super().__init__()
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelFolderError(f"Qwen3 with hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
@@ -163,30 +168,17 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        self.rotary_emb = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], _rope_theta(cfg))
-        # Qwen3-Reranker: only the lm_head rows of "no" and "yes" are ever needed, [2, hidden]:
-        # the score never projects a position onto the 151k-token vocabulary.
-        self.score_token_ids = score_token_ids
+        self.rotary_emb = RotaryEmbedding(head_dim(cfg), cfg["max_position_embeddings"], _rope_theta(cfg))
         if task == "rerank":
-            if score_token_ids is None:
+            if answer_ids is None:
                 raise ModelFolderError("a Qwen3 reranker needs the token ids of 'no' and 'yes'")
+            # Qwen3-Reranker: only the lm_head rows of "no" and "yes" are ever needed, [2, hidden]:
+            # the score never projects a position onto the 151k-token vocabulary. They are read from
+            # lm_head, or from the embeddings when the two are tied.
             self.score_weight = nn.Parameter(torch.empty(2, cfg["hidden_size"]))
-
-    extra_checkpoint_names = ("lm_head.weight",)
-
-    def load_extra(self, name: str, tensor: torch.Tensor) -> set[str]:
-        """Checkpoint tensors outside the module tree: lm_head rows for the reranker's score."""
-        if name == "lm_head.weight" and hasattr(self, "score_weight"):
-            self.score_weight.data.copy_(tensor[list(self.score_token_ids)])
-            return {"score_weight"}
-        return set()
-
-    def tie_weights(self) -> set[str]:
-        if hasattr(self, "score_weight") and self.config.get("tie_word_embeddings", False):
-            self.score_weight.data.copy_(self.embed_tokens.weight.data[list(self.score_token_ids)])
-            return {"score_weight"}
-        return set()
+            self.score_weight.weight_loader = _rows_loader(list(answer_ids))
+            source = "embed_tokens.weight" if cfg.get("tie_word_embeddings", False) else "lm_head.weight"
+            self.extra_targets = {source: "score_weight"}
 
     def score(self, last_states: torch.Tensor) -> torch.Tensor:
         """[B, hidden] fp32 last-token states -> [B, 1] P(yes) = softmax([no, yes] logits)[yes]."""

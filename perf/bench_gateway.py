@@ -1,0 +1,181 @@
+"""What the gateway costs and keeps: the same requests straight to Triton (gRPC) and through the
+gateway (HTTP/JSON, OpenAI route), against one tritonserver on this machine.
+
+    python perf/bench_gateway.py --model qwen3-0.6b --out perf/out/gateway.json
+
+  latency      batch 1, sequential: 128 pre-tokenized tokens (NAME_encoder vs /v1/embeddings with
+               token ids) and a ~8-word text query (`embed` ensemble vs /v1/embeddings); the
+               gateway's added p50 is the difference
+  throughput   batch 100 x 512 tokens pre-tokenized, four client processes (base64 answers, as
+               the openai SDK asks) vs the same through tritonclient
+  concurrency  512-token texts, 1 / 4 / 16 in flight (one keep-alive connection per client thread)
+Outputs are checked: the gateway's vectors equal Triton's for the same input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import NAME, grpc_client, infer_text, infer_tokens, run_client_processes  # noqa: E402
+from bench_server import run_throughput  # noqa: E402
+from common import model_folder, percentiles, time_latency, write_result  # noqa: E402
+from inputs import TokenWindows  # noqa: E402
+
+from pergola.gateway.app import spawn  # noqa: E402
+from pergola.gateway.options import GatewayOptions  # noqa: E402
+from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
+from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+
+QUERY = "how do I read a file line by line in python"
+
+
+class Gateway:
+    """One keep-alive HTTP connection to the gateway (one per thread or process)."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def embed(self, inputs: object, base64_out: bool = False) -> np.ndarray:
+        body = {"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {})
+        self.conn.request("POST", "/v1/embeddings", json.dumps(body), {"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        out = json.loads(response.read())
+        if response.status != 200:
+            raise RuntimeError(f"gateway answered {response.status}: {out}")
+        rows = [d["embedding"] for d in out["data"]]
+        if base64_out:
+            return np.stack([np.frombuffer(base64.b64decode(r), dtype="<f4") for r in rows])
+        return np.asarray(rows, dtype=np.float32)
+
+
+def _gateway_worker(port: int, batches: list[list[np.ndarray]], barrier, q) -> None:
+    gw = Gateway(port)
+    as_lists = [[s.tolist() for s in batch] for batch in batches]  # JSON bodies built before timing
+    gw.embed(as_lists[0], base64_out=True)
+    barrier.wait()
+    gw = Gateway(port)  # (the warm-up connection may have idled out while the others started)
+    t0 = time.time()
+    for batch in as_lists:
+        gw.embed(batch, base64_out=True)
+    q.put((len(batches), t0, time.time()))
+
+
+def concurrency(port: int, texts: list[str], in_flight: int, total: int) -> dict:
+    latencies: list[float] = []
+    counter = iter(range(total))
+    lock = threading.Lock()
+
+    def client() -> None:
+        gw = Gateway(port)
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            gw.embed(texts[i % len(texts)])
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    for measure in (False, True):  # the first pass warms up (lazy CUDA-graph captures)
+        latencies.clear()
+        counter = iter(range(total))
+        threads = [threading.Thread(target=client) for _ in range(in_flight)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    return percentiles(latencies) | {"requests_per_s": len(latencies) / wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "minilm", "qwen3-tiny"])
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--latency-n", type=int, default=200)
+    p.add_argument("--concurrency-n", type=int, default=200)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default="perf/out/gateway.json")
+    args = p.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-gateway-"))
+    folder = model_folder(args.model, workdir)
+    windows = TokenWindows(load_model_spec(folder).tokenizer_file)
+    quick = args.device == "cpu"
+    # (no load shedding: the bulk suite queues more work than a CPU finishes in the default 10 s)
+    entry = entry_from_folder(folder, NAME, max_queue_seconds=0.0)
+    repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
+    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = start(opts, log_path=workdir / "tritonserver.log")
+    url = f"127.0.0.1:{opts.grpc_port}"
+    gw_port = free_port()
+    gateway = spawn(GatewayOptions(triton=url, gateway_port=gw_port, gateway_bind="127.0.0.1", models=NAME))
+    res: dict = {"model": args.model, "device": args.device, "command": " ".join(sys.argv),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        wait_ready(opts.http_port, server, timeout=300)
+        mod, client = grpc_client(url)
+        gw = Gateway(gw_port)
+        for _ in range(600):  # the gateway finds the model once the server is up
+            try:
+                gw.embed([1, 2, 3])
+                break
+            except (OSError, RuntimeError):
+                gw = Gateway(gw_port)
+                time.sleep(0.1)
+        check = windows.ids(128, 4, seed=1)
+        direct, through = infer_tokens(client, mod, check), gw.embed([s.tolist() for s in check])
+        res["max_abs_diff_gateway_vs_triton"] = float(np.abs(direct - through).max())
+        print(f"gateway vs Triton, same ids: max |diff| {res['max_abs_diff_gateway_vs_triton']:.2e}", flush=True)
+
+        ids = [[s] for s in windows.ids(128, 20, seed=128)]
+        res["latency_128_tokens"] = {
+            "triton_grpc": time_latency(lambda x: infer_tokens(client, mod, x), ids, args.latency_n),
+            "gateway": time_latency(lambda x: gw.embed([x[0].tolist()]), ids, args.latency_n)}
+        res["latency_text_query"] = {
+            "triton_grpc": time_latency(lambda x: infer_text(client, mod, x), [[QUERY]], args.latency_n),
+            "gateway": time_latency(lambda x: gw.embed(x[0]), [[QUERY]], args.latency_n)}
+        for suite in ("latency_128_tokens", "latency_text_query"):
+            row = res[suite]
+            row["added_p50_ms"] = row["gateway"]["p50"] - row["triton_grpc"]["p50"]
+            print(f"  {suite}: Triton p50 {row['triton_grpc']['p50']:.3f} ms, gateway p50 "
+                  f"{row['gateway']['p50']:.3f} ms (+{row['added_p50_ms']:.3f}), p99 {row['gateway']['p99']:.3f}",
+                  flush=True)
+
+        length = 128 if quick else 512
+        requests = 2 if quick else 4
+        res["throughput"] = {"length": length,
+                             "triton_grpc": run_throughput(url, windows, length, requests_per_proc=requests),
+                             "gateway": run_client_processes(_gateway_worker, (gw_port,), windows, length,
+                                                             requests_per_proc=requests)}
+        t = res["throughput"]
+        t["ratio"] = t["gateway"]["embeddings_per_s"] / t["triton_grpc"]["embeddings_per_s"]
+        print(f"  throughput 100 x {length}: Triton {t['triton_grpc']['embeddings_per_s']:.0f} emb/s, gateway "
+              f"{t['gateway']['embeddings_per_s']:.0f} ({t['ratio']:.3f})", flush=True)
+
+        texts = windows.texts(length, 64, seed=3)
+        res["concurrency"] = {"length": length}
+        for n in ([1, 4] if quick else [1, 4, 16]):
+            row = res["concurrency"][n] = concurrency(gw_port, texts, n, 40 if quick else args.concurrency_n)
+            print(f"  gateway, {n:2d} in flight: p50 {row['p50']:.2f} ms, {row['requests_per_s']:.0f} req/s", flush=True)
+    finally:
+        gateway.terminate()
+        server.terminate()
+        server.wait(timeout=60)
+    write_result(res, args.out)
+
+
+if __name__ == "__main__":
+    main()
