@@ -40,7 +40,7 @@ for step in "$@"; do
     anatomy)  # host vs GPU-busy time per call and kernel time by kind; start-up phases
       run anatomy python3 perf/anatomy.py --shapes 1x128 1x512 100x512 100x1024 100x4096 --out "$OUT/anatomy.json" ;;
     gputests)  # the GPU-marked engine tests only (kernels, probe, graphs), a few minutes
-      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py \
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py tests/test_attention_backends.py tests/test_packing.py \
         tests/test_attention_probe.py ;;
     tests)  # the whole suite with the test server's encoders on the GPU, plus the gpu-marked tests
       # (the soak runs in the `hardening` step, on the Qwen3 shape, to fit the 10-minute command)
