@@ -52,7 +52,7 @@ for step in "$@"; do
       for _ in $(seq 180); do curl -sf localhost:8000/v2/health/ready > /dev/null && break; sleep 1; done
       run overload python3 perf/bench_overload.py --clients 64 --seconds 60 --timeout 10 --large-texts 100 \
         --words 400 --out "$OUT/overload_gpu.json"
-      run fuzz python3 perf/fuzz_server.py --name q06 --cases 3000
+      run fuzz python3 perf/fuzz_server.py --name q06 --cases "${FUZZ_CASES:-3000}"
       run soak python3 perf/soak.py --repo /tmp/grepo --minutes "${SOAK_MINUTES:-5}" --clients 8 --every 15 \
         --out "$OUT/soak_gpu.json"
       kill -TERM "$local_pid"; wait "$local_pid"; echo "pergola serve exit: $?" | tee -a "$OUT/soak.log" ;;

@@ -66,8 +66,9 @@ WHEELS = [
     ("typing_extensions==4.16.0", "if:typing_extensions>=4.12"),
     # its tests' client (the openai SDK)
     ("openai==3.60.0", "site"),
-    ("httpx==0.29.0", "if:httpx>=0.23"),
-    ("httpcore==1.0.9", "if:httpcore>=1"),
+    ("httpx2==2.16.2", "site"),  # (openai 3.x's HTTP client, not httpx)
+    ("httpcore2==2.16.2", "site"),
+    ("truststore==0.10.5", "if:truststore>=0.10"),
     ("pydantic==2.14.4", "if:pydantic>=2"),
     ("pydantic_core==2.50.5", "if:pydantic>=2"),
     ("annotated-types==0.8.0", "if:annotated-types>=0.6"),
