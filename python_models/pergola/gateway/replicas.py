@@ -11,6 +11,7 @@ is one replica per address, resolved again every `resolve_every_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import itertools
 import logging
@@ -72,6 +73,7 @@ class ReplicaPool:
         self.down_s = down_s
         self.resolve_every_s = resolve_every_s
         self.replicas: dict[str, Replica] = {}
+        self._closing: set[asyncio.Task] = set()
         self._resolved_at = float("-inf")
         self.refresh()
 
@@ -82,7 +84,11 @@ class ReplicaPool:
             if address not in self.replicas:
                 self.replicas[address] = Replica(address, grpcaio.InferenceServerClient(address))
         for address in set(self.replicas) - set(addresses):
-            self.replicas.pop(address)
+            gone = self.replicas.pop(address)
+            with contextlib.suppress(RuntimeError):  # (no running loop: nothing was opened yet)
+                task = asyncio.get_running_loop().create_task(gone.client.close())
+                self._closing.add(task)  # (the loop keeps only a weak reference)
+                task.add_done_callback(self._closing.discard)
         self._resolved_at = time.monotonic()
 
     def _ordered(self) -> list[Replica]:

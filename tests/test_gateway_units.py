@@ -1,0 +1,108 @@
+"""The gateway's pure pieces without servers: chunking, Triton error mapping, and how the replica
+pool spreads calls and retries them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from pergola.gateway import replicas
+from pergola.gateway.backend import chunks
+from pergola.gateway.errors import GatewayError, from_triton
+
+
+@pytest.mark.parametrize("sizes,max_items,max_size,expected", [
+    ([], 3, 100, []),
+    ([1] * 7, 3, 100, [(0, 3), (3, 6), (6, 7)]),
+    ([40, 40, 40, 10], 10, 100, [(0, 2), (2, 4)]),
+    ([500, 1, 1], 10, 100, [(0, 1), (1, 3)]),  # a text over the size is a chunk of its own
+    ([1, 500, 1], 10, 100, [(0, 1), (1, 2), (2, 3)]),
+])
+def test_chunks_cover_every_item_once_in_order(sizes, max_items, max_size, expected):
+    got = chunks(sizes, max_items, max_size)
+    assert got == expected
+    assert [i for a, b in got for i in range(a, b)] == list(range(len(sizes)))
+
+
+@pytest.mark.parametrize("status,message,code", [
+    ("StatusCode.INVALID_ARGUMENT", "TEXT[0] is an empty string", 400),
+    ("StatusCode.INVALID_ARGUMENT", "TEXT[0] is 9 characters; the limit is 5 characters (max_text_chars)", 413),
+    ("StatusCode.INVALID_ARGUMENT", "Request for unknown model: 'x' is not found", 404),
+    ("StatusCode.UNAVAILABLE", "this request would wait behind 9 queued tokens, about 11 s", 429),
+    ("StatusCode.UNAVAILABLE", "Exceeds maximum queue size", 429),
+    ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", 503),
+    ("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", 504),
+    ("StatusCode.INTERNAL", "boom", 500),
+])
+def test_triton_errors_map_to_the_status_clients_retry_on(status, message, code):
+    error = from_triton(status, message)
+    assert error.status == code and error.message == message
+    assert ("Retry-After" in error.headers()) == (code in (429, 503))
+
+
+class FakeClient:
+    """Answers with what its script says: a value, or an error (gRPC status name, message)."""
+
+    def __init__(self, address: str) -> None:
+        self.address, self.script, self.calls = address, [], 0
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    monkeypatch.setattr(replicas.grpcaio, "InferenceServerClient", FakeClient)
+    return replicas.ReplicaPool(["10.0.0.1:8001", "10.0.0.2:8001"])
+
+
+async def answer(client: FakeClient, delay: float = 0.0):
+    client.calls += 1
+    await asyncio.sleep(delay)
+    outcome = client.script.pop(0) if client.script else "ok"
+    if isinstance(outcome, tuple):
+        raise InferenceServerException(msg=outcome[1], status=outcome[0])
+    return client.address
+
+
+def test_calls_spread_over_replicas_by_outstanding_calls(pool):
+    async def main():
+        return await asyncio.gather(*(pool.call(lambda c: answer(c, 0.01)) for _ in range(8)))
+
+    got = asyncio.run(main())
+    assert sorted(got) == ["10.0.0.1:8001"] * 4 + ["10.0.0.2:8001"] * 4
+    assert all(r.outstanding == 0 for r in pool.replicas.values())
+
+
+@pytest.mark.parametrize("error", [("StatusCode.UNAVAILABLE", "Exceeds maximum queue size"),
+                                   ("StatusCode.UNAVAILABLE", "failed to connect to all addresses")])
+def test_a_refused_or_lost_call_is_tried_on_the_next_replica(pool, error):
+    first, second = pool.replicas.values()
+    first.client.script, second.client.script = [error], []
+    assert asyncio.run(pool.call(answer)) == second.address
+    assert first.client.calls == 1 and second.client.calls == 1
+    down = "connect" in error[1]
+    assert (first.down_until > 0) == down  # a lost replica is left out of new calls for a moment
+    if down:
+        assert asyncio.run(pool.call(answer)) == second.address
+
+
+def test_bad_input_is_not_retried_and_all_refusals_say_busy(pool):
+    first, second = pool.replicas.values()
+    first.client.script = [("StatusCode.INVALID_ARGUMENT", "TEXT[0] is an empty string")]
+    with pytest.raises(GatewayError) as err:
+        asyncio.run(pool.call(answer))
+    assert err.value.status == 400 and second.client.calls == 0
+    first.client.script = [("StatusCode.UNAVAILABLE", "Exceeds maximum queue size")]
+    second.client.script = [("StatusCode.UNAVAILABLE", "failed to connect to all addresses")]
+    with pytest.raises(GatewayError) as err:
+        asyncio.run(pool.call(answer))
+    assert err.value.status == 429  # one replica was only busy: retry later
+
+
+def test_addresses_are_checked():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        replicas.resolve("localhost")
+    assert replicas.resolve("127.0.0.1:8001") == ["127.0.0.1:8001"]
