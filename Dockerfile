@@ -13,11 +13,12 @@ COPY client ./client
 COPY ensemble_configs ./ensemble_configs
 # The image already has tritonserver; nvidia-pytriton is only for Docker-less use.
 RUN pip install --no-cache-dir "numpy<2" torch tokenizers safetensors "tritonclient[grpc,http]" tqdm \
+    starlette uvicorn uvloop httptools orjson \
  && pip install --no-cache-dir --no-deps -e . \
  && (pip install --no-cache-dir flashinfer-python || echo "flashinfer-python not installed: PyTorch FA2 is used")
 
 # `pergola serve` runs the image's own tritonserver (PERGOLA_TRITON_ROOT) in explicit model-control
 # mode with the stub supervisor; the repository is generated from the mounted folder at start.
 ENV PERGOLA_TRITON_ROOT=/opt/tritonserver PERGOLA_REPO=/opt/model_repository PERGOLA_DEVICE=gpu
-EXPOSE 8000 8001 8002
+EXPOSE 8080 8000 8001 8002
 CMD ["sh", "-c", "exec pergola serve --model ${PERGOLA_MODEL_NAME:-default}=/models/default"]
