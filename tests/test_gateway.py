@@ -289,6 +289,19 @@ def test_no_triton_is_503_with_retry_after(tmp_path):
     assert status == 404 or headers.get("retry-after") == "1"
 
 
+def test_several_worker_processes_answer_alike(server, tmp_path, reference):
+    """--gateway-workers 2: uvicorn's worker processes build the app from PERGOLA_* variables."""
+    gw = start_gateway(tmp_path, server.grpc_url, "--gateway-workers", "2", "--api-key", KEY)
+    try:
+        for _ in range(4):
+            status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS})
+            assert status == 200, out
+            assert cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
+        assert call(gw, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401  # the key reached them
+    finally:
+        gw.stop()
+
+
 # --- two replicas -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
