@@ -105,12 +105,12 @@ class RepositoryClient:
             detail = e.read().decode(errors="replace")[:300]
             raise AdminError(f"POST {path}: HTTP {e.code}: {detail}") from None
 
-    def index(self) -> dict[str, str]:
+    def index(self, timeout: float = 30.0) -> dict[str, str]:
         """Model name -> state: READY if any version is ready, else LOADING / UNLOADING if one
         is on its way, else what the repository says (UNAVAILABLE, ...)."""
         rank = {"READY": 0, "LOADING": 1, "UNLOADING": 2}
         states: dict[str, str] = {}
-        for row in json.loads(self._post("/v2/repository/index", timeout=30)):
+        for row in json.loads(self._post("/v2/repository/index", timeout=timeout)):
             state, name = row.get("state", ""), row["name"]
             if name not in states or rank.get(state, 9) < rank.get(states[name], 9):
                 states[name] = state

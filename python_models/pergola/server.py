@@ -157,8 +157,10 @@ def free_port() -> int:
 
 
 def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float = 180.0,
-               host: str = "127.0.0.1") -> None:
-    """Poll /v2/health/ready until the server and every model are up."""
+               host: str = "127.0.0.1", crashed: list[str] | None = None) -> None:
+    """Poll /v2/health/ready until the server and every model are up; give up at once when
+    `crashed` (see _forward_output) gets a line: a server hung in its crash handler neither
+    exits nor answers."""
     import urllib.error
     import urllib.request
 
@@ -167,6 +169,8 @@ def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float 
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise ServerError(f"tritonserver exited with code {process.returncode} before it was ready")
+        if crashed:
+            raise ServerError(f"tritonserver crashed before it was seen ready ({crashed[0]})")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -308,10 +312,14 @@ def serve_supervised(opts: ServerOptions) -> int:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         crashed = _forward_output(proc)
         try:
-            wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host)
+            wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host, crashed=crashed)
+            reason = supervisor.watch(lambda: proc.poll() is None and not stopping and not crashed)
         except ServerError:
-            break  # exited, or never ready: its own log says why
-        reason = supervisor.watch(lambda: proc.poll() is None and not stopping and not crashed)
+            if not crashed:
+                break  # exited, or never ready: its own log says why
+            # crashed before the watch began: a client may send a crashing request the moment
+            # the server answers ready, before this loop has seen it so
+            reason = None
         if stopping:
             break
         restarts += 1

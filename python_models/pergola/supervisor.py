@@ -89,11 +89,14 @@ class Supervisor:
         unanswered, next_live = 0, time.monotonic() + self.live_every_s
         while running():
             time.sleep(self.interval_s)
+            if not running():  # (a crash seen in the output while asleep: no call may wait on it)
+                break
             alive = live_stubs(self.repo)
             short = {name: alive.get(name, 0) for name, want in expected.items() if alive.get(name, 0) < want}
             if short and running():
                 try:
-                    states = self.api.index()
+                    # a short wait: a server hung in its crash handler may never answer
+                    states = self.api.index(timeout=2 * self.live_every_s)
                 except (AdminError, OSError) as e:  # going down, or busy: look again
                     log.warning("stub supervisor: repository index failed: %s", e)
                     continue
