@@ -65,6 +65,8 @@ class Gateway:
         models = await self.catalog()
         if name not in models:
             models = await self.catalog(max_age_s=2.0)  # loaded since the last look?
+        if not models:  # nothing reachable yet (starting, or every replica down): retry, not "unknown"
+            raise GatewayError(503, "no Triton replica answers with a served model yet; retry shortly")
         if name not in models:
             served = ", ".join(m for m, v in models.items() if v.task == task) or "none"
             raise GatewayError(404, f"model {name!r} is not served here; models for this route: {served}", "model")
