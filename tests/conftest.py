@@ -150,6 +150,21 @@ class ServeProcess:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
+    def wait_gateway(self, timeout: float = 60) -> str:
+        """The gateway's base URL once its /health answers 200 (it starts beside tritonserver)."""
+        import time
+        import urllib.error
+        import urllib.request
+
+        base, deadline = f"http://127.0.0.1:{self.gateway}", time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=10):
+                    return base
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, self.log_tail()
+                time.sleep(0.5)
+
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()

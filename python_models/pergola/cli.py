@@ -50,7 +50,8 @@ class BuildOptions:
                                  "sees one", choices=("auto", "cpu", "gpu"))
 
 
-MODEL_ROW = ("| `--model [NAME=]FOLDER` | `PERGOLA_MODEL` | all-MiniLM-L6-v2 | a Hugging Face model folder; "
+MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` | all-MiniLM-L6-v2 | a Hugging Face "
+             "model folder or Hub id (fetched into the Hugging Face cache; HF_TOKEN, HF_HUB_OFFLINE honoured); "
              "repeat to serve several side by side (the first embedder is also `embed`, the first reranker "
              "`rerank`) |")
 
@@ -63,7 +64,7 @@ def options_markdown() -> str:
 
 
 def _parse_model_arg(value: str) -> tuple[str | None, str]:
-    """`NAME=DIR` or `DIR`."""
+    """`NAME=MODEL` or `MODEL`, where MODEL is a folder or a Hub id (ORG/NAME[@REVISION])."""
     if "=" in value and not Path(value).exists():
         name, folder = value.split("=", 1)
         return name, folder
@@ -73,8 +74,8 @@ def _parse_model_arg(value: str) -> tuple[str | None, str]:
 def _add_repo_options(p: argparse.ArgumentParser) -> None:
     env_model = os.environ.get("PERGOLA_MODEL")
     p.add_argument("--model", action="append", default=[],
-                   help="HF model folder, or NAME=FOLDER; repeat to serve several (the first is `embed`) "
-                        "[env PERGOLA_MODEL: one model]")
+                   help="HF model folder or Hub id ORG/NAME[@REVISION], or NAME=either; repeat to serve several "
+                        "(the first is `embed`) [env PERGOLA_MODEL: one model]")
     p.set_defaults(env_model=env_model)
     add_arguments(p, BuildOptions)
     add_arguments(p, EngineConfig, "model settings (each a config.pbtxt parameter)")
@@ -96,6 +97,7 @@ def _use_gpu(device: str) -> bool:
 
 def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
     """Write the repository; `lock` is the caller's RepoLock on it (taken here when None)."""
+    from pergola.hub import resolve
     from pergola.repo_builder import build_repository, entry_from_folder
     from pergola.server import RepoLock, ServerError
 
@@ -108,8 +110,11 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
     settings = values_from(args, EngineConfig) | values_from(args, TritonModelOptions)
     entries = []
     for value in models:
-        name, folder = _parse_model_arg(value)
-        entries.append(entry_from_folder(folder, name, **settings))
+        name, spec = _parse_model_arg(value)
+        source = resolve(spec)
+        entries.append(entry_from_folder(source.folder, name or source.name, **source.settings(), **settings))
+        if source.repo_id:
+            print(f"{entries[-1].name}: {source.label} ({source.folder})", flush=True)
     repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device))
     print(f"repository: {repo} (models: {', '.join(e.name for e in entries)})")
     return repo
@@ -204,6 +209,15 @@ def add_version(args: argparse.Namespace) -> None:
         raise SystemExit(f"add-version: {e}") from None
 
 
+def download(args: argparse.Namespace) -> None:
+    """Fill the Hugging Face cache with what `--model ID` serves (image builds, offline hosts)."""
+    from pergola.hub import download as fetch
+
+    for value in args.model_id:
+        source = fetch(value)
+        print(f"{source.label}: {source.folder}", flush=True)
+
+
 def gateway(args: argparse.Namespace) -> None:
     from pergola.gateway.app import run
     from pergola.gateway.options import GatewayOptions
@@ -267,6 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     _add_key_option(p)
     p.add_argument("--top-n", type=int, default=None)
     p.set_defaults(func=rerank)
+
+    p = sub.add_parser("download", help="fetch Hub models (ORG/NAME[@REVISION]) into the Hugging Face cache "
+                                        "(HF_HOME / HF_HUB_CACHE; HF_TOKEN for gated ones) so that `serve "
+                                        "--model ID` finds them offline")
+    p.add_argument("model_id", nargs="+")
+    p.set_defaults(func=download)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway (OpenAI, Cohere/Jina, TEI APIs) in front of Triton "
                                        "server(s); `pergola serve` starts one itself")

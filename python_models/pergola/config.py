@@ -26,6 +26,8 @@ class EngineConfig:
     and (unless cli=False) a `pergola serve` flag and a PERGOLA_<NAME> variable (pergola.options)."""
 
     model_dir: str = option(MISSING, "Hugging Face folder (weights, tokenizer, sentence-transformers files)", cli=False)
+    model_id: str | None = option(None, "the Hub id the folder is a snapshot of (ORG/NAME; pergola.hub)", cli=False)
+    model_revision: str | None = option(None, "the commit of model_id that the snapshot holds", cli=False)
     device: str = option("cpu", "cpu or cuda:N; the Triton instance decides", cli=False)
     dtype: str = option("auto", "compute dtype; auto: bfloat16 on a GPU, float32 on the CPU",
                         choices=("auto",) + DTYPES)

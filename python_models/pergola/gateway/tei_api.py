@@ -82,6 +82,7 @@ async def info(gw: Gateway, request: Request) -> dict[str, Any]:
     kind = {"embedding": {"pooling": settings.get("pooling") or "model default"}} if model.task == "embed" \
         else {"reranker": {"id2label": {"0": "score"}}}
     return {"model_id": model.target, "served_name": name, "model_type": kind,
+            "hub_id": settings.get("model_id"), "model_sha": settings.get("model_revision"),  # pergola.hub
             "model_dtype": settings.get("dtype", "auto"),
             "max_client_batch_size": model.limit("max_documents" if model.task == "rerank" else "max_texts"),
             "max_batch_tokens": settings.get("max_batch_tokens") or None,
