@@ -15,8 +15,9 @@ from typing import Any, Literal
 Pooling = Literal["mean", "cls", "last"]
 Task = Literal["embed", "rerank"]
 
-# HF `model_type` -> pergola architecture file (pergola/models/<name>.py).
-ARCHITECTURES = {"bert": "bert", "qwen3": "qwen3"}
+# HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
+# XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
+ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "qwen3": "qwen3"}
 
 
 class ModelFolderError(ValueError):
@@ -63,6 +64,27 @@ def _read_json(path: Path) -> dict[str, Any] | list[Any] | None:
         return json.load(f)
 
 
+# sentence-transformers pooling modes pergola serves: the 6.x `pooling_mode` value, or the
+# earlier boolean key, -> pergola's name.
+POOLING_MODES = {"lasttoken": "last", "cls": "cls", "mean": "mean"}
+LEGACY_POOLING_KEYS = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_cls_token": "cls",
+                       "pooling_mode_mean_tokens": "mean"}
+
+
+def _pooling_mode(path: Path, cfg: dict[str, Any]) -> Pooling:
+    """1_Pooling/config.json -> pooling, in the 6.x format ("pooling_mode": "cls") or the earlier
+    one ("pooling_mode_cls_token": true); an unsupported or concatenated mode is refused."""
+    if "pooling_mode" in cfg:
+        mode = cfg["pooling_mode"]
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    else:
+        modes = [name for key, name in LEGACY_POOLING_KEYS.items() if cfg.get(key)]
+        modes += [k for k, v in cfg.items() if k.startswith("pooling_mode") and k not in LEGACY_POOLING_KEYS and v]
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise ModelFolderError(f"{path}: pooling {modes} is not supported; use mean, cls or lasttoken pooling")
+    return POOLING_MODES[modes[0]]  # type: ignore[return-value]
+
+
 def _pooling_from_st(path: Path, modules: list[dict[str, Any]]) -> tuple[Pooling | None, bool, bool]:
     """(pooling mode, include_prompt, normalize) from sentence-transformers' modules.json."""
     pooling: Pooling | None = None
@@ -72,17 +94,7 @@ def _pooling_from_st(path: Path, modules: list[dict[str, Any]]) -> tuple[Pooling
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind == "Pooling":
             cfg = _read_json(path / module.get("path", "1_Pooling") / "config.json") or {}
-            if cfg.get("pooling_mode_lasttoken"):
-                pooling = "last"
-            elif cfg.get("pooling_mode_cls_token"):
-                pooling = "cls"
-            elif cfg.get("pooling_mode_mean_tokens"):
-                pooling = "mean"
-            else:
-                modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
-                raise ModelFolderError(
-                    f"{path}: pooling {modes} is not supported; use mean, cls or lasttoken pooling"
-                )
+            pooling = _pooling_mode(path, cfg)
             include_prompt = bool(cfg.get("include_prompt", True))
         elif kind == "Normalize":
             normalize = True
@@ -94,8 +106,17 @@ def _pooling_from_st(path: Path, modules: list[dict[str, Any]]) -> tuple[Pooling
     return pooling, include_prompt, normalize
 
 
-def _default_max_len(hf_config: dict[str, Any], tokenizer_config: dict[str, Any]) -> int:
+def max_positions(hf_config: dict[str, Any]) -> int:
+    """Longest sequence the position table covers. RoBERTa-family positions start at
+    pad_token_id + 1, so XLM-R's 514 rows hold 512 tokens."""
     limit = int(hf_config.get("max_position_embeddings", 512))
+    if hf_config.get("model_type") in ("roberta", "xlm-roberta"):
+        limit -= int(hf_config.get("pad_token_id", 1)) + 1
+    return limit
+
+
+def _default_max_len(hf_config: dict[str, Any], tokenizer_config: dict[str, Any]) -> int:
+    limit = max_positions(hf_config)
     tok_max = tokenizer_config.get("model_max_length")
     if isinstance(tok_max, (int, float)) and 0 < tok_max < limit:
         limit = int(tok_max)
@@ -138,7 +159,8 @@ def load_model_spec(
     # Decoders attend causally unless the folder says otherwise (pplx-embed style bidirectional).
     folder_causal = is_decoder and not hf_config.get("use_bidirectional_attention", False)
     default_pooling: Pooling = "last" if is_decoder else "mean"
-    max_len = st_config.get("max_seq_length") or _default_max_len(hf_config, tok_config)
+    # Never past the position table, whatever sentence_bert_config.json says.
+    max_len = min(st_config.get("max_seq_length") or _default_max_len(hf_config, tok_config), max_positions(hf_config))
     prompts = {str(k): str(v) for k, v in (st_prompts.get("prompts") or {}).items()}
     default_prompt = st_prompts.get("default_prompt_name") or None
     if default_prompt is not None and default_prompt not in prompts:

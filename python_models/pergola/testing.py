@@ -399,3 +399,151 @@ def make_qwen3_reranker_folder(
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
     return out
+
+
+# --- More architectures: XLM-RoBERTa, ... (issue 21) ------------------------------------------
+# No weights or vocabularies of these models are available offline: each folder is what
+# `save_pretrained` of a randomly initialised transformers model writes, with a small tokenizer of
+# the model's kind trained here, and the sentence-transformers files its published folders have.
+
+# A few sentences per script, so a trained tokenizer covers what the tests send.
+TOKENIZER_CORPUS = [
+    "What is the capital of France? Paris is the capital and most populous city of France.",
+    "The quick brown fox jumps over the lazy dog. Numbers 3.14159 and 42, punctuation!!! ???",
+    "北京是中华人民共和国的首都。上海是最大的城市。",
+    "Москва — столица России. Санкт-Петербург — второй город.",
+    "القاهرة هي عاصمة مصر وأكبر مدنها",
+    "नई दिल्ली भारत की राजधानी है। मुंबई सबसे बड़ा शहर है।",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "SELECT id, name FROM users WHERE email LIKE '%@example.com';",
+    "MiXeD CaSe text, emoji 🚀🔥 👩‍💻 ✨ and a query about search engines and embeddings.",
+]
+
+XLMR_SHAPES: dict[str, dict[str, Any]] = {
+    # Exactly BAAI/bge-m3 and bge-reranker-v2-m3 (XLM-RoBERTa large, 8192 positions).
+    "bge-m3": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
+                   max_position_embeddings=8194, vocab_size=250002),
+    # Same structure, small enough for CI on a CPU.
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=514, vocab_size=None),  # None: the trained tokenizer's size
+}
+
+
+def perturb_(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> torch.nn.Module:
+    """Add seeded noise to every parameter (biases, norm weights too), in place.
+
+    transformers initialises biases to 0 and norms to 1; with those, a bias or norm parameter
+    that an implementation drops or mixes up would not change its output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * std)
+    return model
+
+
+def train_unigram_vocab(size: int = 600) -> list[tuple[str, float]]:
+    """A SentencePiece-style Unigram vocabulary trained on TOKENIZER_CORPUS, laid out as
+    XLM-RoBERTa's: <s> <pad> </s> <unk> first (ids 0-3), <mask> last."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    trainer = trainers.UnigramTrainer(vocab_size=size, special_tokens=specials, unk_token="<unk>",
+                                      show_progress=False)
+    tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer)
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    if [piece for piece, _ in vocab[:4]] != specials:
+        raise ValueError(f"unexpected Unigram layout: {vocab[:4]}")
+    return [(piece, float(score)) for piece, score in vocab] + [("<mask>", 0.0)]
+
+
+def save_xlm_roberta_tokenizer(out: Path, max_length: int) -> int:
+    """XLMRobertaTokenizer (tokenizer.json + tokenizer_config.json) of a trained Unigram vocabulary;
+    returns its size."""
+    from transformers import XLMRobertaTokenizer
+
+    vocab = train_unigram_vocab()
+    tokenizer = XLMRobertaTokenizer(vocab=vocab, model_max_length=max_length)
+    tokenizer.save_pretrained(str(out))
+    return len(vocab)
+
+
+def _save_hf_model(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
+    """`save_pretrained` (safetensors) in `dtype`, files readable by another user (Triton's)."""
+    model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    for path in out.glob("*.safetensors"):
+        path.chmod(0o644)
+
+
+def write_sentence_transformers_files(out: Path, dim: int, pooling: str, max_seq_length: int,
+                                      normalize: bool = True, dense: list[Any] | None = None,
+                                      prompts: dict[str, str] | None = None) -> None:
+    """modules.json Transformer -> Pooling [-> Dense ...] [-> Normalize] and the module folders,
+    written by sentence-transformers itself (its own save), onto the Hugging Face files in `out`.
+
+    pooling: "mean", "cls" or "lasttoken"; dense: sentence_transformers Dense modules, in order.
+    """
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    modules: list[Any] = [Transformer(str(out), max_seq_length=max_seq_length),
+                          Pooling(dim, pooling_mode=pooling), *(dense or [])]
+    if normalize:
+        modules.append(Normalize())
+    st = SentenceTransformer(modules=modules, device="cpu", prompts=prompts or {})
+    st.save(str(out))
+    for path in out.rglob("*.safetensors"):
+        path.chmod(0o644)
+
+
+def xlm_roberta_config(shape: str, vocab_size: int, num_labels: int | None = None) -> Any:
+    from transformers import XLMRobertaConfig
+
+    s = dict(XLMR_SHAPES[shape])
+    s["vocab_size"] = s["vocab_size"] or vocab_size
+    extra = {"num_labels": num_labels} if num_labels else {}
+    return XLMRobertaConfig(**s, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                            layer_norm_eps=1e-5, **extra)
+
+
+def make_xlm_roberta_folder(out_dir: str | Path, shape: str = "tiny", pooling: str = "cls", seed: int = 0,
+                            dtype: str = "float32", dense: list[Any] | None = None) -> Path:
+    """An XLM-RoBERTa embedder folder (bge-m3 layout: XLMRobertaModel weights, CLS pooling +
+    Normalize; `pooling="mean"` is multilingual-e5's) with seeded random weights and a trained
+    Unigram tokenizer. `dense`: sentence-transformers Dense modules placed after pooling."""
+    from transformers import XLMRobertaModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    max_len = min(512, XLMR_SHAPES[shape]["max_position_embeddings"] - 2)
+    vocab_size = save_xlm_roberta_tokenizer(out, max_len)
+    torch.manual_seed(seed)
+    model = perturb_(XLMRobertaModel(xlm_roberta_config(shape, vocab_size)), seed)
+    _save_hf_model(model, out, _torch_dtype(dtype))
+    write_sentence_transformers_files(out, model.config.hidden_size, pooling, max_len, dense=dense)
+    return out
+
+
+def make_xlm_roberta_reranker_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0,
+                                     dtype: str = "float32") -> Path:
+    """An XLMRobertaForSequenceClassification reranker (bge-reranker-v2-m3 layout: "roberta.*"
+    weights, classifier.dense/out_proj, one label) with seeded random weights and a trained
+    Unigram tokenizer; no sentence-transformers files, as the published folder has none."""
+    from transformers import XLMRobertaForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = save_xlm_roberta_tokenizer(out, min(512, XLMR_SHAPES[shape]["max_position_embeddings"] - 2))
+    torch.manual_seed(seed)
+    model = perturb_(XLMRobertaForSequenceClassification(xlm_roberta_config(shape, vocab_size, 1)), seed)
+    _save_hf_model(model, out, _torch_dtype(dtype))
+    return out
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    return torch_dtype

@@ -1,7 +1,11 @@
-"""BERT family encoder (BERT, MiniLM, ...) over flat tokens: [num_tokens, hidden], no padding.
+"""BERT family encoder (BERT, MiniLM, RoBERTa, XLM-RoBERTa) over flat tokens: [num_tokens, hidden], no padding.
 
 Module and weight names follow Hugging Face's `BertModel`, so checkpoints load by name; the
 query/key/value projections are one fused `qkv` matmul, loaded part by part (`packed_modules_mapping`).
+RoBERTa and XLM-RoBERTa are the same network with two differences, both decided by the config's
+`model_type`: positions count from `pad_token_id + 1` (fairseq's convention), and the
+sequence-classification head is `classifier.dense` + tanh + `classifier.out_proj` on the <s>
+state instead of BERT's pooler + classifier.
 """
 
 from __future__ import annotations
@@ -26,6 +30,29 @@ ACTIVATIONS = {
 }
 
 
+# HF model types served by this file whose positions follow RoBERTa (fairseq) numbering.
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+
+
+def is_roberta(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") in ROBERTA_TYPES
+
+
+def roberta_positions(input_ids: torch.Tensor, positions: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """RoBERTa position ids over a ragged batch, as HF's `create_position_ids_from_input_ids`:
+    each sequence numbers its non-padding tokens pad_id + 1, pad_id + 2, ...; a padding token
+    (a literal "<pad>" in the text) gets pad_id and does not advance the count.
+
+    input_ids, positions: [T] int64 (positions restart at 0 per sequence) -> [T] int64. No host
+    sync: the count before each sequence's first token is read with a gather, so it runs in a graph.
+    """
+    real = (input_ids != pad_id).long()
+    count = real.cumsum(0)  # [T] real tokens up to and including each token, over the whole batch
+    first = torch.arange(input_ids.shape[0], device=input_ids.device) - positions  # [T] its sequence's start
+    before = count[first] - real[first]  # real tokens of the earlier sequences
+    return (count - before) * real + pad_id
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -34,8 +61,12 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], h)
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
+        # RoBERTa family: positions offset past the padding index (None: BERT, positions as given).
+        self.pad_id: int | None = int(cfg.get("pad_token_id", 1)) if is_roberta(cfg) else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        if self.pad_id is not None:
+            positions = roberta_positions(input_ids, positions, self.pad_id)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         x = x + self.token_type_embeddings(token_types)
         return self.LayerNorm(x)
@@ -87,7 +118,8 @@ class BertModel(Model):
         "attention.self.key": ("attention.self.qkv", 1),
         "attention.self.value": ("attention.self.qkv", 2),
     }
-    checkpoint_prefixes = ("bert.", "model.")
+    # BertForSequenceClassification ("bert."), (XLM-)RobertaForSequenceClassification ("roberta.").
+    checkpoint_prefixes = ("bert.", "roberta.", "model.")
     causal = False
 
     def __init__(self, cfg: dict[str, Any], task: str = "embed") -> None:
@@ -96,19 +128,25 @@ class BertModel(Model):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
-        if task == "rerank":  # BertForSequenceClassification's head: pooler (dense + tanh), classifier
-            h = cfg["hidden_size"]
-            self.pooler = nn.Module()
-            self.pooler.dense = Linear(h, h, bias=True)
-            self.classifier = Linear(h, len(cfg.get("id2label") or {0: "LABEL_0"}), bias=True)
+        if task == "rerank":
+            h, labels = cfg["hidden_size"], len(cfg.get("id2label") or {0: "LABEL_0"})
+            if is_roberta(cfg):  # RobertaClassificationHead: classifier.dense + tanh, classifier.out_proj
+                self.classifier = nn.Module()
+                self.classifier.dense = Linear(h, h, bias=True)
+                self.classifier.out_proj = Linear(h, labels, bias=True)
+            else:  # BertForSequenceClassification: pooler (dense + tanh), classifier
+                self.pooler = nn.Module()
+                self.pooler.dense = Linear(h, h, bias=True)
+                self.classifier = Linear(h, labels, bias=True)
 
     def score(self, cls_states: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] fp32 [CLS] states -> [B, num_labels] fp32 scores.
+        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 scores.
 
         One label: sigmoid, as sentence-transformers' CrossEncoder applies by default; several:
         the raw logits."""
-        x = torch.tanh(self.pooler.dense(cls_states.to(self.pooler.dense.weight.dtype)))
-        logits = self.classifier(x).float()
+        dense, out = ((self.classifier.dense, self.classifier.out_proj) if is_roberta(self.config)
+                      else (self.pooler.dense, self.classifier))
+        logits = out(torch.tanh(dense(cls_states.to(dense.weight.dtype)))).float()
         return torch.sigmoid(logits) if logits.shape[1] == 1 else logits
 
     def forward(

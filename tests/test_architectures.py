@@ -1,0 +1,144 @@
+"""Architectures beyond BERT and Qwen3, FP32 on the CPU, against sentence-transformers / transformers.
+
+Each folder is written the way Hugging Face writes it (`save_pretrained` of a randomly initialised
+transformers model, every parameter perturbed so that a dropped bias or norm shows), with a small
+tokenizer of the model's kind and the sentence-transformers files (pergola.testing). Embeddings
+must match sentence-transformers (cosine >= 0.9999), reranker scores transformers' (<= 1e-4), and a
+batch must equal its texts sent one by one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEXTS, cosine_rows
+from pergola.config import EngineConfig
+from pergola.engine import EncodeRequest, Engine
+from pergola.hf_folder import load_model_spec
+from pergola.pooling import finish
+from pergola.rerank import RerankTokenizer
+from pergola.tokenization import TextTokenizer
+from test_rerank import DOCS, QUERY  # the documents that test truncation and scripts
+
+# A literal "<pad>" is tokenized as the padding id: RoBERTa-family positions skip it.
+XLMR_TEXTS = [*TEXTS, "text with a literal <pad> token inside <pad> it"]
+
+
+def engine_for(folder: Path, **overrides) -> Engine:
+    return Engine(EngineConfig(model_dir=str(folder), dtype="float32", device="cpu", **overrides))
+
+
+def embed(engine: Engine, texts: list[str], prompt: str | None = None) -> np.ndarray:
+    enc = TextTokenizer(engine.spec).encode(texts, prompt_name=prompt)
+    pooled = engine.encode([EncodeRequest(enc.input_ids, enc.lengths, enc.prompt_lengths)])[0]
+    return finish(pooled, 0, engine.spec.normalize)
+
+
+def st_embed(folder: Path, texts: list[str], prompt: str | None = None) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu")
+    return st.encode(texts, prompt_name=prompt, convert_to_numpy=True, batch_size=len(texts))
+
+
+def assert_matches_sentence_transformers(engine: Engine, folder: Path, texts: list[str],
+                                         prompt: str | None = None) -> np.ndarray:
+    """Engine == sentence-transformers (cosine and values), and batched == one text at a time."""
+    ours, reference = embed(engine, texts, prompt), st_embed(folder, texts, prompt)
+    assert ours.shape == reference.shape
+    assert cosine_rows(ours, reference).min() >= 0.9999
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    singles = np.concatenate([embed(engine, [t], prompt) for t in texts])
+    assert cosine_rows(ours, singles).min() >= 0.99999
+    return ours
+
+
+def engine_scores(engine: Engine, query: str, docs: list[str]) -> np.ndarray:
+    enc = RerankTokenizer(engine.spec).encode(query, docs)
+    return engine.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0][:, 0]
+
+
+def sequence_classification_scores(folder: Path, query: str, docs: list[str]) -> np.ndarray:
+    """sigmoid(logit) of AutoModelForSequenceClassification, one pair at a time (no padding),
+    truncating the document only, as pergola does."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for doc in docs:
+            feats = tok(query, doc, truncation="only_second", max_length=tok.model_max_length, return_tensors="pt")
+            out.append(torch.sigmoid(model(**feats).logits[0, 0]).item())
+    return np.array(out, dtype=np.float32)
+
+
+# --- XLM-RoBERTa ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def xlmr_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from pergola.testing import make_xlm_roberta_folder, make_xlm_roberta_reranker_folder
+
+    root = tmp_path_factory.mktemp("xlm-roberta")
+    return {"cls": make_xlm_roberta_folder(root / "cls", pooling="cls"),
+            "mean": make_xlm_roberta_folder(root / "mean", pooling="mean", seed=1),
+            "reranker": make_xlm_roberta_reranker_folder(root / "reranker", seed=2)}
+
+
+def test_xlm_roberta_spec(xlmr_folders):
+    spec = load_model_spec(xlmr_folders["cls"])
+    assert (spec.architecture, spec.pooling, spec.normalize, spec.max_seq_length) == ("bert", "cls", True, 512)
+    rerank = load_model_spec(xlmr_folders["reranker"])
+    assert (rerank.task, rerank.pooling, rerank.max_seq_length) == ("rerank", "cls", 512)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_xlm_roberta_matches_sentence_transformers(xlmr_folders, pooling):
+    folder = xlmr_folders[pooling]
+    engine = engine_for(folder)
+    assert engine.type_vocab_size == 1
+    assert_matches_sentence_transformers(engine, folder, XLMR_TEXTS)
+
+
+def test_xlm_roberta_positions_start_after_the_padding_index(xlmr_folders):
+    """Sequences of 512 tokens (positions 2..513) are served; 513 are refused by the length check."""
+    from pergola.errors import RequestError
+
+    engine = engine_for(xlmr_folders["mean"])
+    ids = np.full(512, 5, dtype=np.int64)
+    ids[0], ids[-1] = 0, 2
+    out = engine.encode([EncodeRequest(ids, np.array([512], dtype=np.int32))])[0]
+    assert np.isfinite(out).all()
+    with pytest.raises(RequestError, match="at most 512"):
+        engine.validate(EncodeRequest(np.full(513, 5, dtype=np.int64), np.array([513], dtype=np.int32)))
+
+
+def test_xlm_roberta_reranker_matches_transformers(xlmr_folders):
+    folder = xlmr_folders["reranker"]
+    engine = engine_for(folder)
+    ours = engine_scores(engine, QUERY, DOCS)
+    np.testing.assert_allclose(ours, sequence_classification_scores(folder, QUERY, DOCS), atol=1e-4, rtol=0)
+    singles = np.array([engine_scores(engine, QUERY, [d])[0] for d in DOCS])
+    np.testing.assert_allclose(ours, singles, atol=1e-5, rtol=0)
+
+
+def test_xlm_roberta_served_end_to_end(tmp_path, xlmr_folders):
+    """`pergola serve` with an XLM-R embedder and an XLM-R reranker: through Triton (gRPC), the
+    tokenizer model, the encoder and the ensembles give sentence-transformers' / transformers' numbers."""
+    from conftest import start_serve
+    from pergola_client import PergolaClient
+
+    served = start_serve(tmp_path, f"xe={xlmr_folders['mean']}", "--model", f"xr={xlmr_folders['reranker']}")
+    try:
+        with PergolaClient(f"127.0.0.1:{served.grpc}") as client:
+            vectors = client.embed(XLMR_TEXTS, model="xe")
+            result = client.rerank(QUERY, DOCS, model="xr")
+    finally:
+        served.stop()
+    assert cosine_rows(vectors, st_embed(xlmr_folders["mean"], XLMR_TEXTS)).min() >= 0.9999
+    expected = sequence_classification_scores(xlmr_folders["reranker"], QUERY, DOCS)
+    np.testing.assert_allclose(result.scores, expected, atol=1e-4, rtol=0)
