@@ -142,3 +142,44 @@ def test_xlm_roberta_served_end_to_end(tmp_path, xlmr_folders):
     assert cosine_rows(vectors, st_embed(xlmr_folders["mean"], XLMR_TEXTS)).min() >= 0.9999
     expected = sequence_classification_scores(xlmr_folders["reranker"], QUERY, DOCS)
     np.testing.assert_allclose(result.scores, expected, atol=1e-4, rtol=0)
+
+
+# --- sentence-transformers Dense modules (any architecture) ---------------------------------------
+
+def dense_modules(spec: list[tuple[int, int, bool, str]], seed: int) -> list:
+    """sentence-transformers Dense modules (in, out, bias, activation) with seeded weights."""
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    torch.manual_seed(seed)
+    activations = {"identity": torch.nn.Identity, "tanh": torch.nn.Tanh}
+    return [Dense(i, o, bias=b, activation_function=activations[a]()) for i, o, b, a in spec]
+
+
+@pytest.fixture(scope="module")
+def dense_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """EmbeddingGemma's pipeline (mean -> Dense 768->3072->768 without bias or activation ->
+    Normalize) and LaBSE's (CLS -> Dense with bias and Tanh -> Normalize), on a tiny XLM-R."""
+    from pergola.testing import make_xlm_roberta_folder
+
+    root = tmp_path_factory.mktemp("dense")
+    gemma_like = dense_modules([(64, 256, False, "identity"), (256, 48, False, "identity")], seed=3)
+    labse_like = dense_modules([(64, 64, True, "tanh")], seed=4)
+    return {"mean-identity": make_xlm_roberta_folder(root / "mean-identity", pooling="mean", seed=5,
+                                                     dense=gemma_like),
+            "cls-tanh": make_xlm_roberta_folder(root / "cls-tanh", pooling="cls", seed=6, dense=labse_like)}
+
+
+@pytest.mark.parametrize("kind, width", [("mean-identity", 48), ("cls-tanh", 64)])
+def test_dense_modules_match_sentence_transformers(dense_folders, kind, width):
+    folder = dense_folders[kind]
+    spec = load_model_spec(folder)
+    assert spec.hidden_size == width and len(spec.dense) == (2 if kind == "mean-identity" else 1)
+    out = assert_matches_sentence_transformers(engine_for(folder), folder, XLMR_TEXTS)
+    assert out.shape == (len(XLMR_TEXTS), width)
+
+
+def test_nonlinear_dense_after_mean_pooling_is_refused(dense_folders):
+    from pergola.hf_folder import ModelFolderError
+
+    with pytest.raises(ModelFolderError, match="activation Tanh after mean pooling is not supported"):
+        load_model_spec(dense_folders["cls-tanh"], pooling="mean")

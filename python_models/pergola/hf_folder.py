@@ -24,6 +24,24 @@ class ModelFolderError(ValueError):
     """The folder is not a model pergola can serve; the message says what is missing."""
 
 
+# sentence-transformers Dense activations (their saved `fullname`) pergola applies (pooling.py).
+DENSE_ACTIVATIONS = ("torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh",
+                     "torch.nn.modules.activation.ReLU", "torch.nn.modules.activation.GELU",
+                     "torch.nn.modules.activation.Sigmoid", "torch.nn.modules.activation.SiLU")
+IDENTITY = DENSE_ACTIVATIONS[0]
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers `Dense` module after pooling: activation(x @ W^T + b)."""
+
+    path: Path  # its folder (2_Dense/): config.json and model.safetensors or pytorch_model.bin
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # one of DENSE_ACTIVATIONS
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     path: Path
@@ -38,10 +56,13 @@ class ModelSpec:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     causal: bool = False
+    dense: tuple[DenseModule, ...] = ()  # sentence-transformers Dense modules, in order
 
     @property
     def hidden_size(self) -> int:
-        return int(self.hf_config["hidden_size"])
+        """Width of the pooled embedding: the last Dense module's output where the folder has
+        Dense modules (EmbeddingGemma, LaBSE), else the transformer's hidden size."""
+        return self.dense[-1].out_features if self.dense else int(self.hf_config["hidden_size"])
 
     @property
     def num_labels(self) -> int:
@@ -85,25 +106,64 @@ def _pooling_mode(path: Path, cfg: dict[str, Any]) -> Pooling:
     return POOLING_MODES[modes[0]]  # type: ignore[return-value]
 
 
-def _pooling_from_st(path: Path, modules: list[dict[str, Any]]) -> tuple[Pooling | None, bool, bool]:
-    """(pooling mode, include_prompt, normalize) from sentence-transformers' modules.json."""
+def _dense_module(path: Path, folder: str) -> DenseModule:
+    """One Dense module's config.json, checked for what pergola can apply."""
+    cfg = _read_json(path / folder / "config.json") or {}
+    where = path / folder
+    if not cfg:
+        raise ModelFolderError(f"{where}: a Dense module without config.json")
+    activation = str(cfg.get("activation_function", "torch.nn.modules.activation.Tanh"))  # its default
+    if activation not in DENSE_ACTIVATIONS:
+        raise ModelFolderError(f"{where}: Dense activation {activation!r} is not supported; "
+                               f"supported: {', '.join(a.rsplit('.', 1)[-1] for a in DENSE_ACTIVATIONS)}")
+    if cfg.get("use_residual"):
+        raise ModelFolderError(f"{where}: Dense modules with use_residual are not supported")
+    return DenseModule(where, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)),
+                       activation)
+
+
+def _pooling_from_st(path: Path, modules: list[dict[str, Any]]
+                     ) -> tuple[Pooling | None, bool, bool, tuple[DenseModule, ...]]:
+    """(pooling mode, include_prompt, normalize, Dense modules) from sentence-transformers' modules.json."""
     pooling: Pooling | None = None
     include_prompt = True
     normalize = False
+    dense: list[DenseModule] = []
+    order = ["Transformer", "Pooling", "Dense", "Normalize"]  # the pipelines pergola serves, in this order
+    seen = 0
     for module in modules:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in order or order.index(kind) < seen:
+            raise ModelFolderError(
+                f"{path}: sentence-transformers module {module.get('type')!r} is not supported here "
+                "(pergola serves Transformer -> Pooling -> Dense... -> Normalize pipelines)"
+            )
+        seen = order.index(kind)
         if kind == "Pooling":
             cfg = _read_json(path / module.get("path", "1_Pooling") / "config.json") or {}
             pooling = _pooling_mode(path, cfg)
             include_prompt = bool(cfg.get("include_prompt", True))
+        elif kind == "Dense":
+            dense.append(_dense_module(path, str(module.get("path", f"{module.get('idx')}_Dense"))))
         elif kind == "Normalize":
             normalize = True
-        elif kind not in ("Transformer",):
-            raise ModelFolderError(
-                f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
-                "(pergola serves Transformer -> Pooling -> Normalize pipelines)"
-            )
-    return pooling, include_prompt, normalize
+    return pooling, include_prompt, normalize, tuple(dense)
+
+
+def _check_dense(path: Path, dense: tuple[DenseModule, ...], pooling: Pooling, hidden: int) -> None:
+    """Dense modules run on every token before pooling (pooling.DenseStack), which equals
+    sentence-transformers' Dense after pooling when the Dense stack is affine (Identity
+    activations: it commutes with the mean) or the pooling picks one token (CLS, last)."""
+    widths = [hidden] + [d.out_features for d in dense]
+    for d, width in zip(dense, widths):
+        if d.in_features != width:
+            raise ModelFolderError(f"{d.path}: in_features {d.in_features}, but its input is {width} wide")
+    nonlinear = [d for d in dense if d.activation != IDENTITY]
+    if nonlinear and pooling == "mean":
+        raise ModelFolderError(
+            f"{nonlinear[0].path}: a Dense module with activation {nonlinear[0].activation.rsplit('.', 1)[-1]} "
+            "after mean pooling is not supported (pergola applies Dense modules per token, which equals "
+            "pooling first only for Identity activations or CLS / last-token pooling)")
 
 
 def max_positions(hf_config: dict[str, Any]) -> int:
@@ -148,8 +208,8 @@ def load_model_spec(
 
     # A sentence-transformers embedding pipeline; a CrossEncoder's modules.json describes its head.
     modules = _read_json(path / "modules.json") if task == "embed" else None
-    st_pooling, include_prompt, normalize = (
-        _pooling_from_st(path, modules) if isinstance(modules, list) else (None, True, False)
+    st_pooling, include_prompt, normalize, dense = (
+        _pooling_from_st(path, modules) if isinstance(modules, list) else (None, True, False, ())
     )
     st_config = _read_json(path / "sentence_bert_config.json") or {}
     st_prompts = _read_json(path / "config_sentence_transformers.json") or {}
@@ -168,12 +228,14 @@ def load_model_spec(
 
     if task == "rerank":  # the score reads the [CLS] state (cross-encoder) or the last token (LLM)
         default_pooling = "last" if is_decoder else "cls"
+    pooling = pooling or st_pooling or default_pooling
+    _check_dense(path, dense, pooling, int(hf_config["hidden_size"]))
     return ModelSpec(
         path=path,
         architecture=ARCHITECTURES[model_type],
         hf_config=hf_config,
         task=task,
-        pooling=pooling or st_pooling or default_pooling,
+        pooling=pooling,
         include_prompt=include_prompt,
         normalize=normalize,
         max_seq_length=int(max_len),
@@ -181,4 +243,5 @@ def load_model_spec(
         prompts=prompts,
         default_prompt_name=default_prompt,
         causal=folder_causal if causal is None else causal,
+        dense=dense,
     )

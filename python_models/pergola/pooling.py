@@ -1,9 +1,77 @@
-"""Pooling on device (ragged) and the per-request post-processing on host."""
+"""Pooling on device (ragged), sentence-transformers Dense modules, and the per-request
+post-processing on host."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from pergola.hf_folder import DenseModule, ModelFolderError
+from pergola.layers.linear import Linear
+
+# Dense activations by their saved name (hf_folder.DENSE_ACTIVATIONS), None: Identity.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
+    "torch.nn.modules.linear.Identity": None,
+    "torch.nn.modules.activation.Tanh": torch.tanh,
+    "torch.nn.modules.activation.ReLU": torch.relu,
+    "torch.nn.modules.activation.GELU": nn.functional.gelu,
+    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+    "torch.nn.modules.activation.SiLU": nn.functional.silu,
+}
+
+
+def _dense_weights(module: DenseModule) -> dict[str, torch.Tensor]:
+    """linear.weight / linear.bias of a Dense folder: model.safetensors, or the pytorch_model.bin
+    of older sentence-transformers saves (read with weights_only: tensors, no code)."""
+    if (module.path / "model.safetensors").is_file():
+        return load_file(str(module.path / "model.safetensors"))
+    if (module.path / "pytorch_model.bin").is_file():
+        return torch.load(module.path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ModelFolderError(f"{module.path}: no model.safetensors or pytorch_model.bin for this Dense module")
+
+
+class DenseStack(nn.Module):
+    """sentence-transformers Dense modules, [N, in] -> [N, out], in the model's dtype.
+
+    The runner pools the model's output, so the stack runs on every token of the last hidden
+    states and pooling follows (`attach_dense`); hf_folder admits only folders where that equals
+    sentence-transformers' order (Identity activations, or CLS / last-token pooling). The cost is
+    one extra [T, in] x [in, out] matmul per Dense module.
+    """
+
+    def __init__(self, modules: tuple[DenseModule, ...], device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        self.activations = [ACTIVATIONS[m.activation] for m in modules]
+        for m in modules:
+            weights = _dense_weights(m)
+            layer = Linear(m.in_features, m.out_features, bias=m.bias).to(device=device, dtype=dtype)
+            expected = {"linear.weight"} | ({"linear.bias"} if m.bias else set())
+            if set(weights) != expected:
+                raise ModelFolderError(f"{m.path}: Dense weights {sorted(weights)}, expected {sorted(expected)}")
+            with torch.no_grad():
+                layer.weight.copy_(weights["linear.weight"])
+                if m.bias:
+                    layer.bias.copy_(weights["linear.bias"])
+            self.layers.append(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, activation in zip(self.layers, self.activations):
+            x = layer(x)
+            if activation is not None:
+                x = activation(x)
+        return x
+
+
+def attach_dense(model: nn.Module, modules: tuple[DenseModule, ...], device: torch.device,
+                 dtype: torch.dtype) -> None:
+    """Make `model`'s output [T, hidden] pass through the Dense stack: [T, out_features]."""
+    model.dense = DenseStack(modules, device, dtype)
+    model.register_forward_hook(lambda m, args, hidden: m.dense(hidden))
 
 
 def pool(

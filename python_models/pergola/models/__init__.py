@@ -17,6 +17,7 @@ from torch import nn
 
 from pergola.hf_folder import ModelFolderError, ModelSpec
 from pergola.layers.linear import TileTable, default_weight_loader, select_tiles
+from pergola.pooling import attach_dense
 from pergola.rerank import answer_ids, reranker_kind
 
 # architecture -> (module, class)
@@ -118,5 +119,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     model = _materialize(model, device, dtype)
     load_weights(model, spec.path)
     model.post_load()
+    if spec.dense:  # sentence-transformers Dense modules after pooling (EmbeddingGemma, LaBSE)
+        attach_dense(model, spec.dense, device, dtype)
     select_tiles(model, tiles)
     return model.eval().requires_grad_(False)
