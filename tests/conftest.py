@@ -146,6 +146,7 @@ class ServeProcess:
     repo: Path
     log: Path
     gateway: int = 0  # the gateway's HTTP port
+    metrics: int = 0  # Triton's metrics port
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -187,7 +188,7 @@ def start_serve(root: Path, model: str, *args: str, wait: bool = True) -> ServeP
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--gateway-port", str(gateway), "--gateway-bind", "127.0.0.1", *args]
     served = ServeProcess(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT), http, grpc, repo,
-                          log, gateway)
+                          log, gateway, metrics)
     if wait:
         try:
             wait_ready(http, served.proc, timeout=240)

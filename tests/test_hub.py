@@ -1,17 +1,14 @@
 """Hub model ids (pergola.hub) from a Hugging Face cache laid out as huggingface_hub lays it out,
-offline (HF_HUB_OFFLINE=1): ids, revisions, NAME=ID, what is missing, and `pergola serve
---model ORG/NAME` answering from that cache."""
+offline (HF_HUB_OFFLINE=1): ids, revisions, NAME=ID, what is missing. `pergola serve --model
+ORG/NAME` answering from such a cache is tested in test_metrics_server.py (one server for both)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
-import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pergola import cli
@@ -137,24 +134,3 @@ def test_build_repo_records_the_id_and_revision(cache: Path, tmp_path: Path):
         assert (repo / f"{name}_encoder" / "1" / "hf").resolve().name == commit
     with pytest.raises(SystemExit, match="pergola build-repo: org/absent is not a folder here, nor in"):
         cli.main(["build-repo", "--device", "cpu", "--repo", str(tmp_path / "r2"), "--model", "org/absent"])
-
-
-@pytest.mark.server
-def test_serve_answers_a_hub_id_from_the_offline_cache(cache: Path, tmp_path: Path, minilm_folder: Path,
-                                                       st_model) -> None:
-    """`pergola serve --model ORG/NAME` with HF_HUB_OFFLINE=1 (the environment the server inherits)."""
-    from conftest import start_serve
-
-    served = start_serve(tmp_path, REPO_ID)
-    try:
-        base = served.wait_gateway()
-        body = json.dumps({"inputs": ["offline hosts serve from the cache"]}).encode()
-        request = urllib.request.Request(f"{base}/embed", body, {"content-type": "application/json"})
-        vectors = np.array(json.load(urllib.request.urlopen(request, timeout=60)), dtype=np.float32)
-        expected = st_model.encode(["offline hosts serve from the cache"], normalize_embeddings=True)
-        np.testing.assert_allclose(vectors, expected, atol=2e-3)
-        info = json.load(urllib.request.urlopen(f"{base}/info", timeout=30))
-        assert (info["hub_id"], info["model_sha"], info["served_name"]) == (REPO_ID, MAIN, "embed")
-        assert info["models"]["all-MiniLM-L6-v2"] == "embed"
-    finally:
-        served.stop()

@@ -89,3 +89,38 @@ def test_close_keeps_the_metric_objects_for_the_process():
     before = [sys.getrefcount(o) for o in objects]
     metrics.close()
     assert [sys.getrefcount(o) for o in objects] == [n + 1 for n in before]
+
+
+def test_a_histogram_sends_cumulative_buckets_sum_and_count_and_only_what_moved():
+    from pergola.metrics import Histogram
+
+    FakeFamily.log.clear()
+    h = Histogram(FakePbUtils, "pergola_x_seconds", "x", (0.1, 1.0), {"model": "m"})
+    for v in (0.05, 0.5, 0.5, 7.0):
+        h.observe(v)
+    h.flush()
+    sent = {dict(labels).get("le", "sum/count"): n for labels, n in FakeFamily.log}
+    assert [m.value for m in h._buckets] == [1, 3, 4]  # le 0.1, 1.0, +Inf
+    assert [dict(m.labels)["le"] for m in h._buckets] == ["0.1", "1.0", "+Inf"]
+    assert (h._count.value, h._sum.value) == (4, 8.05) and len(sent) == 4
+    FakeFamily.log.clear()
+    h.flush()  # nothing new: no round trips
+    assert FakeFamily.log == []
+    h.observe(0.2)
+    h.flush()  # only the buckets at or above 0.2 move, and the sum and count
+    assert [m.value for m in h._buckets] == [1, 4, 5] and len(FakeFamily.log) == 4
+
+
+def test_the_encoder_observes_each_steps_time_tokens_and_queue_waits():
+    from types import SimpleNamespace
+
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=60,
+                             info={"hub_id": "org/name", "revision": "abc", "dtype": "float32"})
+    jobs = [SimpleNamespace(queued_at=1.0, started_at=1.25), SimpleNamespace(queued_at=2.0, started_at=2.0)]
+    loop = SimpleNamespace(throughput=SimpleNamespace(last=(384, 0.004)), completed=jobs)
+    metrics.update(stats(1), loop)
+    hist = metrics.histograms
+    assert (hist["step_tokens"].total, hist["step_seconds"].total, hist["queue_wait"].total) == (384, 0.004, 0.25)
+    assert hist["queue_wait"].counts[0] == 1  # the job that did not wait
+    assert metrics._info.labels == {"model": "m", "attention": "graph:torch_flash", "hub_id": "org/name",
+                                    "revision": "abc", "dtype": "float32"} and metrics._info.value == 1

@@ -19,7 +19,7 @@ from pergola.config import EngineConfig
 from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
-from pergola.metrics import EncoderMetrics
+from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
 from pergola.triton_io import (EmbedOptions, embed_options, error_response, exit_soon, instance_device,
@@ -46,9 +46,10 @@ class TritonPythonModel:
         if runner.probe is not None and len(runner.probe.micros) > 1:
             pb_utils.Logger.log_info(f"{args['model_name']}: attention probe, µs per layer call: "
                                      f"{runner.probe.micros}")
-        self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention, flush_s=self.cfg.metrics_flush_s)
+        self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention, flush_s=self.cfg.metrics_flush_s,
+                                      info=info_labels(self.cfg))
         self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds,
-                               on_step=lambda: self.metrics.update(self.engine.stats),
+                               on_step=lambda: self.metrics.update(self.engine.stats, self.loop),
                                on_idle=lambda: self.metrics.flush(self.engine.stats), on_fatal=self._fatal)
 
     def _decode(self, request) -> tuple[EncodeRequest, EmbedOptions | RerankOptions]:

@@ -6,32 +6,137 @@
     pergola_steps_total{model,mode}          forward steps by mode: eager, warmup, capture, replay
     pergola_attention_backend{model,backend,use}  1 for the kernel in use (use: graph or eager)
 
-Tokens per step is pergola_tokens_total / pergola_steps_total; queue wait is Triton's own
-nv_inference_queue_duration_us.
+    pergola_info{model,hub_id,revision,dtype,attention}  1: what the encoder serves (README: Metrics)
 
-Counters reach Triton at most once per `metrics_flush_s` seconds (default 1; 0 = after
-every step), and the encode loop flushes the rest once it has been idle for a second. Why
-batched: each update is a round trip from the stub to the server process, and the four of them
-took 205 µs (p50) of every execute on a 2-core machine, inside the request's latency (16 µs
-batched); Prometheus scrapes every 1-15 s anyway. Every call comes from the encode loop's one
+Histograms, as Prometheus histograms (NAME_bucket{le}, NAME_sum, NAME_count):
+
+    pergola_tokenize_seconds{model}          tokenizing one request (the NAME_tokenizer model)
+    pergola_queue_wait_seconds{model}        a request's wait in the encoder, from its arrival to
+                                             the step that takes its first text
+    pergola_step_seconds{model}              one forward step, busy time (host preparation, GPU
+                                             work and the copy back)
+    pergola_step_tokens{model}               tokens in one forward step
+
+Triton's own nv_inference_queue_duration_us is the wait before execute(), which the encoder's
+execute ends at once: its real queue is the encode loop's, measured by pergola_queue_wait_seconds.
+
+Counters and histograms reach Triton at most once per `metrics_flush_s` seconds (default 1;
+0 = after every step), and the encode loop flushes the rest once it has been idle for a second.
+Why batched: each update is a round trip from the stub to the server process, and the four of
+them took 205 µs (p50) of every execute on a 2-core machine, inside the request's latency (16 µs
+batched); Prometheus scrapes every 1-15 s anyway. For the same reason histograms are counted
+here and sent as COUNTER series rather than through the HISTOGRAM kind that Triton 2.51's stub
+has, whose observe() is a round trip per value (per step, per request); a flush sends one update
+per bucket that moved, whatever the rate. Every call comes from the encode loop's one
 thread (engine/loop.py): the stub's metric calls are IPC, and keeping them to one thread keeps
 them from racing the loop's other traffic with the server.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Iterable
 
 COUNTERS = ("requests", "sequences", "tokens")
 MODES = ("eager", "warmup", "capture", "replay")
+# Bucket bounds. Seconds: 100 µs (a MiniLM step on a GPU, a short text's tokenization) to 10 s
+# (max_queue_seconds' default); tokens: up to the GPU's default step budget (16,384) and beyond.
+SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def _le(bound: float) -> str:
+    """A bucket's `le` label as Prometheus clients write it (0.005, 1.0, 512.0, +Inf)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+class Histogram:
+    """A Prometheus histogram counted in the stub and sent at flush() as its three series,
+    NAME_bucket{le} (cumulative), NAME_sum and NAME_count, each a COUNTER family of Triton's.
+    PromQL reads them as any histogram: histogram_quantile(0.99, rate(NAME_bucket[5m]))."""
+
+    def __init__(self, pb_utils: Any, name: str, description: str, buckets: Iterable[float],
+                 labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        self.bounds = (*buckets, float("inf"))
+        self.families = [family(name=f"{name}{suffix}", description=description, kind=family.COUNTER)
+                         for suffix in ("_bucket", "_sum", "_count")]
+        self._buckets = [self.families[0].Metric(labels=labels | {"le": _le(b)}) for b in self.bounds]
+        self._sum, self._count = (f.Metric(labels=labels) for f in self.families[1:])
+        self.counts = [0] * len(self.bounds)  # observations per bucket (not cumulative)
+        self.total = 0.0
+        self._sent = ([0] * len(self.bounds), 0.0)
+
+    @property
+    def objects(self) -> list[Any]:
+        return [*self.families, *self._buckets, self._sum, self._count]
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def flush(self) -> None:
+        """One increment per cumulative bucket that moved, and the sum and count if any did."""
+        sent, sent_total = self._sent
+        cumulative = [sum(self.counts[:i + 1]) for i in range(len(self.counts))]
+        for metric, now, before in zip(self._buckets, cumulative, sent):
+            if now > before:
+                metric.increment(now - before)
+        if cumulative[-1] > sent[-1]:
+            self._count.increment(cumulative[-1] - sent[-1])
+            self._sum.increment(max(self.total - sent_total, 0.0))
+        self._sent = (cumulative, self.total)
+
+
+def keep_forever(objects: Iterable[Any]) -> None:
+    """Keep Triton metric objects alive for the rest of the process (finalize). Deleting them
+    removes series that the model's next version has too (same names and labels: Triton hands
+    both the same series), which crashed tritonserver during a version swap under traffic (heap
+    corruption); left to the interpreter's exit, their destructors run after the stub's shared
+    memory is gone and crash the stub. One reference nobody drops avoids both; the stub process
+    ends right after."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+class TokenizerMetrics:
+    """pergola_tokenize_seconds of a NAME_tokenizer model, sent from its execute() thread at most
+    every flush_s seconds (the rest at the next request after that, and in finalize)."""
+
+    def __init__(self, pb_utils: Any, model: str, flush_s: float = 1.0) -> None:
+        self.flush_s = flush_s
+        self.seconds = Histogram(pb_utils, "pergola_tokenize_seconds", "seconds to tokenize one request",
+                                 SECONDS_BUCKETS, {"model": model})
+        self._flushed_at = float("-inf")
+
+    def observe(self, seconds: float) -> None:
+        self.seconds.observe(seconds)
+        if time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self.seconds.flush()
+        self._flushed_at = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        keep_forever(self.seconds.objects)
+
+
+def info_labels(cfg: Any) -> dict[str, str]:
+    """pergola_info's labels from an EngineConfig: the Hub id and commit (empty for a local
+    folder) and the compute dtype in use."""
+    return {"hub_id": cfg.model_id or "", "revision": cfg.model_revision or "", "dtype": cfg.compute_dtype}
 
 
 class EncoderMetrics:
     def __init__(self, pb_utils: Any, model: str, attention: dict[str, str],
-                 flush_s: float = 1.0) -> None:
+                 flush_s: float = 1.0, info: dict[str, str] | None = None) -> None:
+        """info: the pergola_info labels besides `model` (hub_id, revision, dtype)."""
         self.flush_s = flush_s
         family = pb_utils.MetricFamily
         # Families must outlive their metrics (Triton refuses updates otherwise): keep them.
@@ -46,35 +151,57 @@ class EncoderMetrics:
         self._steps = {mode: steps.Metric(labels={"model": model, "mode": mode}) for mode in MODES}
         backend = family(name="pergola_attention_backend", description="attention kernel in use",
                          kind=family.GAUGE)
-        self._families.update(steps=steps, backend=backend)
+        served = family(name="pergola_info", description="what the encoder serves: Hub id, revision, dtype, "
+                                                         "attention kernels (value 1)", kind=family.GAUGE)
+        self._families.update(steps=steps, backend=backend, info=served)
         self._backend = [backend.Metric(labels={"model": model, "backend": b, "use": use})
                          for use, b in attention.items()]
-        for metric in self._backend:
+        kernels = ",".join(f"{use}:{b}" for use, b in sorted(attention.items()))
+        self._info = served.Metric(labels={"model": model, "attention": kernels, **(info or {})})
+        for metric in [*self._backend, self._info]:
             metric.set(1)
+        labels = {"model": model}
+        self.histograms = {
+            "queue_wait": Histogram(pb_utils, "pergola_queue_wait_seconds", "seconds a request waited in the "
+                                    "encoder before its first step", SECONDS_BUCKETS, labels),
+            "step_seconds": Histogram(pb_utils, "pergola_step_seconds", "busy seconds of one forward step",
+                                      SECONDS_BUCKETS, labels),
+            "step_tokens": Histogram(pb_utils, "pergola_step_tokens", "tokens in one forward step",
+                                     TOKEN_BUCKETS, labels),
+        }
         # engine stats key -> counter: "requests", "sequences", "tokens", "steps_<mode>"
         self._by_key = dict(self._counters) | {f"steps_{mode}": m for mode, m in self._steps.items()}
         self._seen: Counter[str] = Counter()  # what Triton has been told
         self._flushed_at = float("-inf")
 
-    def update(self, stats: Counter[str]) -> None:
-        """Tell Triton the engine's running counts if the last flush is flush_s old."""
+    def update(self, stats: Counter[str], loop: Any = None) -> None:
+        """After a step: count it (and, given the EncodeLoop, its time, tokens and the queue waits
+        of the requests it finished); tell Triton if the last flush is flush_s old."""
+        if loop is not None:
+            self.observe_step(loop)
         if time.monotonic() - self._flushed_at >= self.flush_s:
             self.flush(stats)
+
+    def observe_step(self, loop: Any) -> None:
+        """The latest step as engine/loop.py records it: throughput.last, completed jobs."""
+        if loop.throughput.last is not None:
+            tokens, seconds = loop.throughput.last
+            self.histograms["step_tokens"].observe(tokens)
+            self.histograms["step_seconds"].observe(seconds)
+        for job in loop.completed:
+            self.histograms["queue_wait"].observe(max(job.started_at - job.queued_at, 0.0))
 
     def flush(self, stats: Counter[str]) -> None:
         """Add to Triton's counters what the engine counted since the last flush."""
         for key, metric in self._by_key.items():
             if stats[key] > self._seen[key]:
                 metric.increment(stats[key] - self._seen[key])
+        for histogram in self.histograms.values():
+            histogram.flush()
         self._seen = Counter(stats)
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:
-        """Keep the metric objects alive for the rest of the process (finalize). Deleting them
-        removes counters that the model's next version has too (same names and labels: Triton
-        hands both the same series), which crashed tritonserver during a version swap under
-        traffic (heap corruption); left to the interpreter's exit, their destructors run after
-        the stub's shared memory is gone and crash the stub. One reference nobody drops avoids
-        both; the stub process ends right after."""
-        for obj in [*self._families.values(), *self._counters.values(), *self._steps.values(), *self._backend]:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        """Keep every metric object for the rest of the process (keep_forever says why)."""
+        keep_forever([*self._families.values(), *self._counters.values(), *self._steps.values(),
+                      *self._backend, self._info, *(o for h in self.histograms.values() for o in h.objects)])

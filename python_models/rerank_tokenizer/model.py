@@ -1,10 +1,13 @@
 """Triton adapter for a reranker's NAME_tokenizer: QUERY + DOCUMENTS -> one pair sequence each."""
 
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
 from pergola.memory import HeapTrimmer
+from pergola.metrics import TokenizerMetrics
 from pergola.errors import RequestError
 from pergola.rerank import RerankTokenizer
 from pergola.triton_io import error_response, optional_scalar, required_strings, rerank_options
@@ -15,6 +18,10 @@ class TritonPythonModel:
         self.cfg = EngineConfig.from_triton_args(args)
         self.tokenizer = RerankTokenizer(self.cfg.spec(), config=self.cfg)  # the folder's kind of reranker
         self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
+        self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
+
+    def finalize(self) -> None:
+        self.metrics.close()
 
     def execute(self, requests: list) -> list:
         return [self._execute_one(r) for r in requests]
@@ -28,10 +35,12 @@ class TritonPythonModel:
             self.trimmer.after(sum(map(len, documents)) * 8)
             options = rerank_options(pb_utils, request)
             truncate = optional_scalar(pb_utils, request, "TRUNCATE")
+            started = time.perf_counter()
             enc = self.tokenizer.encode(query[0], documents,
                                         truncate=self.cfg.truncate if truncate is None else bool(truncate))
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
+        self.metrics.observe(time.perf_counter() - started)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("INPUT_IDS", enc.input_ids[None, :]),
             pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),

@@ -1,10 +1,13 @@
 """Triton adapter for <name>_tokenizer: TEXT (+ options) -> flat token ids for the encoder."""
 
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
 from pergola.memory import HeapTrimmer
+from pergola.metrics import TokenizerMetrics
 from pergola.tokenization import TextTokenizer
 from pergola.triton_io import embed_options, error_response, optional_scalar, required_strings
 
@@ -15,6 +18,10 @@ class TritonPythonModel:
         self.spec = self.cfg.spec()
         self.tokenizer = TextTokenizer(self.spec, self.cfg.text_limits())
         self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
+        self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
+
+    def finalize(self) -> None:
+        self.metrics.close()
 
     def execute(self, requests: list) -> list:
         return [self._execute_one(r) for r in requests]
@@ -25,6 +32,7 @@ class TritonPythonModel:
             self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
             dims, normalize, encoding = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize)
             truncate = optional_scalar(pb_utils, request, "TRUNCATE")
+            started = time.perf_counter()
             enc = self.tokenizer.encode(
                 texts,
                 prompt_name=optional_scalar(pb_utils, request, "PROMPT_NAME"),
@@ -32,6 +40,7 @@ class TritonPythonModel:
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
+        self.metrics.observe(time.perf_counter() - started)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("INPUT_IDS", enc.input_ids[None, :]),
             pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),

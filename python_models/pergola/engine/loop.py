@@ -55,6 +55,8 @@ class Job:
     result: np.ndarray = field(init=False)
     rows_left: int = field(init=False)
     checked_at: float = 0.0
+    queued_at: float = field(default_factory=time.perf_counter)  # metrics: queue wait = started_at - queued_at
+    started_at: float = 0.0  # when its first sequence went into a step
 
 
 class Throughput:
@@ -73,6 +75,11 @@ class Throughput:
         seconds = sum(s for _, s in self._steps)
         return sum(t for t, _ in self._steps) / seconds if seconds > 0 else None
 
+    @property
+    def last(self) -> tuple[int, float] | None:
+        """(tokens, busy seconds) of the latest step (metrics)."""
+        return self._steps[-1] if self._steps else None
+
 
 class EncodeLoop:
     def __init__(self, engine: Engine, max_queue_seconds: float = 0.0,
@@ -87,6 +94,7 @@ class EncodeLoop:
         self.on_idle = on_idle or (lambda: None)
         self.on_fatal = on_fatal or (lambda e: False)
         self.throughput = Throughput()
+        self.completed: list[Job] = []  # the jobs the latest step finished
         self._queue = engine.new_queue()
         self._jobs: dict[int, Job] = {}
         self._keys = itertools.count()
@@ -179,6 +187,8 @@ class EncodeLoop:
                 gone = [] if self._stopping else self._expire()
                 step = None if self._stopping else self._queue.next_step()
                 requests = {s.request: self._jobs[s.request].request for s in step.seqs} if step else {}
+                for key in requests:
+                    self._jobs[key].started_at = self._jobs[key].started_at or time.perf_counter()
             for job, error in gone:
                 job.fail(error)
             try:
@@ -244,6 +254,7 @@ class EncodeLoop:
         self.engine.stats.update(requests=len(done))
         for job in done:
             job.deliver(job.result)
+        self.completed = done  # (metrics: their queue waits)
         self.on_step()
         self._trimmer.after(step.num_tokens * 4096)
 
