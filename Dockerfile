@@ -1,24 +1,44 @@
-# pergola in the NGC Triton image. Triton 24.10 = server 2.51, whose Python backend runs the
-# image's Python 3.10 (numpy 1.x). No weights are baked in: mount a Hugging Face folder.
+# pergola in the NGC Triton image. Triton 24.10 = server 2.51 and CUDA 12.6; its Python backend
+# runs the image's Python 3.10 (numpy 1.x). PyTorch comes from its CUDA 12.6 wheel index, so its
+# CUDA runtime matches the image's driver requirements (an unpinned torch from PyPI brings
+# whatever CUDA that release was built for). Build with scripts/build_image.sh.
 #
-#   docker build -t pergola .
-#   docker run --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 \
-#       -v /path/to/hf-model:/models/default:ro pergola
+#   docker run --gpus all --shm-size=2g -p 8080:8080 -p 8000:8000 -p 8001:8001 -p 8002:8002 \
+#       -v /path/to/hf-model:/models/default:ro pergola            # a mounted folder
+#   docker run --gpus all --shm-size=2g -p 8080:8080 -e HF_TOKEN pergola \
+#       pergola serve --model BAAI/bge-small-en-v1.5                 # a Hub id, fetched at start
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
+ARG TORCH_VERSION=2.7.1
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
+# Hub ids to bake into the image's Hugging Face cache (space-separated), for hosts without Hub access.
+ARG PREFETCH=""
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/pergola
+
+# Dependencies first (a layer that changes with pyproject.toml only). The list is pyproject's
+# dependencies less nvidia-pytriton (the image has tritonserver) and torch (pinned above);
+# tests/test_deploy.py keeps the two equal. (DL3013: the ranges are pyproject's, pinned where it pins.)
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
+ && pip install --no-cache-dir "numpy>=1.24,<2" "tokenizers>=0.19" "safetensors>=0.4" \
+        "tritonclient[grpc,http]>=2.41" tqdm "starlette>=0.40" "uvicorn>=0.30" "uvloop>=0.19" \
+        "httptools>=0.6" "orjson>=3.9" "huggingface_hub>=0.25" "prometheus-client>=0.20" \
+ && python -c "import torch; assert torch.version.cuda.startswith('12.6'), torch.version.cuda" \
+ && (pip install --no-cache-dir flashinfer-python || echo "flashinfer-python not installed: PyTorch FA2 is used")
+
 COPY pyproject.toml README.md ./
 COPY python_models ./python_models
 COPY client ./client
 COPY ensemble_configs ./ensemble_configs
-# The image already has tritonserver; nvidia-pytriton is only for Docker-less use.
-RUN pip install --no-cache-dir "numpy<2" torch tokenizers safetensors "tritonclient[grpc,http]" tqdm \
-    starlette uvicorn uvloop httptools orjson \
- && pip install --no-cache-dir --no-deps -e . \
- && (pip install --no-cache-dir flashinfer-python || echo "flashinfer-python not installed: PyTorch FA2 is used")
+RUN pip install --no-cache-dir --no-deps -e .
 
 # `pergola serve` runs the image's own tritonserver (PERGOLA_TRITON_ROOT) in explicit model-control
-# mode with the stub supervisor; the repository is generated from the mounted folder at start.
-ENV PERGOLA_TRITON_ROOT=/opt/tritonserver PERGOLA_REPO=/opt/model_repository PERGOLA_DEVICE=gpu
+# mode with the stub supervisor; the repository is generated at start from the model(s) given.
+ENV PERGOLA_TRITON_ROOT=/opt/tritonserver PERGOLA_REPO=/opt/model_repository PERGOLA_DEVICE=gpu \
+    HF_HOME=/var/cache/huggingface
+RUN if [ -n "${PREFETCH}" ]; then echo "${PREFETCH}" | xargs pergola download; fi
 EXPOSE 8080 8000 8001 8002
-CMD ["sh", "-c", "exec pergola serve --model ${PERGOLA_MODEL_NAME:-default}=/models/default"]
+# PERGOLA_MODEL: a Hub id or folder (NAME=... to name it); default: the folder mounted at /models/default.
+CMD ["sh", "-c", "exec pergola serve --model \"${PERGOLA_MODEL:-${PERGOLA_MODEL_NAME:-default}=/models/default}\""]

