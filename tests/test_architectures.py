@@ -183,3 +183,19 @@ def test_nonlinear_dense_after_mean_pooling_is_refused(dense_folders):
 
     with pytest.raises(ModelFolderError, match="activation Tanh after mean pooling is not supported"):
         load_model_spec(dense_folders["cls-tanh"], pooling="mean")
+
+
+# --- MPNet --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mpnet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pergola.testing import make_mpnet_folder
+
+    return make_mpnet_folder(tmp_path_factory.mktemp("mpnet") / "mpnet", seed=7)
+
+
+def test_mpnet_matches_sentence_transformers(mpnet_folder):
+    spec = load_model_spec(mpnet_folder)
+    assert (spec.architecture, spec.pooling, spec.normalize, spec.max_seq_length) == ("mpnet", "mean", True, 384)
+    # TEXTS[1] is cut at 384 tokens: relative distances reach the logarithmic buckets (past 128).
+    assert_matches_sentence_transformers(engine_for(mpnet_folder), mpnet_folder, XLMR_TEXTS)

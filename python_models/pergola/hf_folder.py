@@ -17,7 +17,11 @@ Task = Literal["embed", "rerank"]
 
 # HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
 # XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
-ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "qwen3": "qwen3"}
+ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpnet": "mpnet", "qwen3": "qwen3"}
+# Architecture files with a reranker head (sequence classification, or a causal LM's yes/no logits).
+RERANK_ARCHITECTURES = ("bert", "qwen3")
+# Model types whose positions start at padding index + 1 (fairseq numbering).
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
 
 
 class ModelFolderError(ValueError):
@@ -167,10 +171,10 @@ def _check_dense(path: Path, dense: tuple[DenseModule, ...], pooling: Pooling, h
 
 
 def max_positions(hf_config: dict[str, Any]) -> int:
-    """Longest sequence the position table covers. RoBERTa-family positions start at
+    """Longest sequence the position table covers. RoBERTa-family and MPNet positions start at
     pad_token_id + 1, so XLM-R's 514 rows hold 512 tokens."""
     limit = int(hf_config.get("max_position_embeddings", 512))
-    if hf_config.get("model_type") in ("roberta", "xlm-roberta"):
+    if hf_config.get("model_type") in OFFSET_POSITIONS:
         limit -= int(hf_config.get("pad_token_id", 1)) + 1
     return limit
 
@@ -205,6 +209,9 @@ def load_model_spec(
     archs = [str(a) for a in hf_config.get("architectures") or []]
     folder_task: Task = "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
     task = task or folder_task
+    if task == "rerank" and ARCHITECTURES[model_type] not in RERANK_ARCHITECTURES:
+        raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: "
+                               f"{sorted(t for t, a in ARCHITECTURES.items() if a in RERANK_ARCHITECTURES)}")
 
     # A sentence-transformers embedding pipeline; a CrossEncoder's modules.json describes its head.
     modules = _read_json(path / "modules.json") if task == "embed" else None

@@ -547,3 +547,45 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     if torch_dtype is None:
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     return torch_dtype
+
+
+MPNET_SHAPES: dict[str, dict[str, Any]] = {
+    # Exactly sentence-transformers/all-mpnet-base-v2 (its vocabulary size; 384-token truncation).
+    "all-mpnet-base-v2": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                              max_seq_length=384),
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, max_seq_length=384),
+}
+
+
+def save_mpnet_tokenizer(out: Path, max_length: int) -> int:
+    """all-mpnet-base-v2's tokenizer layout: BERT's uncased WordPiece vocabulary (from the default
+    MiniLM folder) after <s> <pad> </s> <unk>, <mask> last; returns the vocabulary size."""
+    from transformers import MPNetTokenizer
+
+    from pergola.cli import default_model_folder  # lazy: cli imports the serving stack
+
+    words = (default_model_folder() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    vocab = {token: i for i, token in enumerate(["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"])}
+    MPNetTokenizer(vocab=vocab, model_max_length=max_length).save_pretrained(str(out))
+    return len(vocab)
+
+
+def make_mpnet_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+    """An all-mpnet-base-v2-layout folder (MPNetModel weights, mean pooling + Normalize, 384
+    tokens) with seeded random weights and the BERT uncased vocabulary."""
+    from transformers import MPNetConfig, MPNetModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s = dict(MPNET_SHAPES[shape])
+    max_len = s.pop("max_seq_length")
+    vocab_size = save_mpnet_tokenizer(out, max_len)
+    torch.manual_seed(seed)
+    config = MPNetConfig(**s, vocab_size=vocab_size, max_position_embeddings=514, relative_attention_num_buckets=32,
+                         layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    model = perturb_(MPNetModel(config), seed)
+    with torch.no_grad():  # trained biases are O(1): at init scale a wrong bucket would not show
+        model.encoder.relative_attention_bias.weight.normal_(0.0, 1.0)
+    _save_hf_model(model, out, _torch_dtype(dtype))
+    write_sentence_transformers_files(out, s["hidden_size"], "mean", max_len)
+    return out

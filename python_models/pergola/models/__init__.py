@@ -23,8 +23,12 @@ from pergola.rerank import answer_ids, reranker_kind
 # architecture -> (module, class)
 ARCHITECTURES = {
     "bert": ("pergola.models.bert", "BertModel"),
+    "mpnet": ("pergola.models.mpnet", "MPNetModel"),
     "qwen3": ("pergola.models.qwen3", "Qwen3Model"),
 }
+
+# Architectures whose attention is causal or bidirectional as the folder says (the `causal` argument).
+DECODERS = ("qwen3",)
 
 
 class Model(nn.Module):
@@ -110,7 +114,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     """Instantiate the architecture without initialising it, load the folder's weights, and give
     each projection its rows of `tiles` (layers.linear.tiles_for this device)."""
     kwargs: dict = {"task": spec.task}
-    if spec.architecture != "bert":
+    if spec.architecture in DECODERS:
         kwargs["causal"] = spec.causal
     if spec.task == "rerank" and reranker_kind(spec) == "qwen3-reranker":
         kwargs["answer_ids"] = answer_ids(spec)

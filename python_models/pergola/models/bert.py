@@ -102,11 +102,13 @@ class BertLayer(nn.Module):
         self.output.LayerNorm = nn.LayerNorm(h, eps=eps)
         self.act = ACTIVATIONS[cfg.get("hidden_act", "gelu")]
 
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: intermediate, activation, output, residual + LayerNorm."""
+        return self.output.LayerNorm(self.output.dense(self.act(self.intermediate.dense(x))) + x)
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         a = self.attention.self(x, meta, attn)
-        x = self.attention.output.LayerNorm(self.attention.output.dense(a) + x)
-        y = self.output.dense(self.act(self.intermediate.dense(x)))
-        return self.output.LayerNorm(y + x)
+        return self.feed_forward(self.attention.output.LayerNorm(self.attention.output.dense(a) + x))
 
 
 class BertModel(Model):
