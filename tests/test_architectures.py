@@ -199,3 +199,21 @@ def test_mpnet_matches_sentence_transformers(mpnet_folder):
     assert (spec.architecture, spec.pooling, spec.normalize, spec.max_seq_length) == ("mpnet", "mean", True, 384)
     # TEXTS[1] is cut at 384 tokens: relative distances reach the logarithmic buckets (past 128).
     assert_matches_sentence_transformers(engine_for(mpnet_folder), mpnet_folder, XLMR_TEXTS)
+
+
+# --- Qwen2 (gte-Qwen2) ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pergola.testing import make_qwen2_folder
+
+    return make_qwen2_folder(tmp_path_factory.mktemp("qwen2") / "qwen2", seed=8)
+
+
+@pytest.mark.parametrize("prompt", [None, "query"])
+def test_qwen2_matches_sentence_transformers(qwen2_folder, prompt):
+    spec = load_model_spec(qwen2_folder)
+    assert (spec.architecture, spec.causal, spec.pooling, spec.normalize) == ("qwen3", True, "last", True)
+    engine = engine_for(qwen2_folder)
+    assert not hasattr(engine.runner.model.layers[0].self_attn, "q_norm")
+    assert_matches_sentence_transformers(engine, qwen2_folder, TEXTS, prompt)

@@ -17,9 +17,12 @@ Task = Literal["embed", "rerank"]
 
 # HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
 # XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
-ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpnet": "mpnet", "qwen3": "qwen3"}
-# Architecture files with a reranker head (sequence classification, or a causal LM's yes/no logits).
-RERANK_ARCHITECTURES = ("bert", "qwen3")
+ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpnet": "mpnet", "qwen2": "qwen3",
+                 "qwen3": "qwen3"}
+# Decoder model types: last-token pooling by default, causal unless the config says otherwise.
+DECODERS = ("qwen2", "qwen3")
+# Model types served as rerankers: sequence classification, or Qwen3-Reranker's yes/no logits.
+RERANKERS = ("bert", "roberta", "xlm-roberta", "qwen3")
 # Model types whose positions start at padding index + 1 (fairseq numbering).
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
 
@@ -209,9 +212,8 @@ def load_model_spec(
     archs = [str(a) for a in hf_config.get("architectures") or []]
     folder_task: Task = "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
     task = task or folder_task
-    if task == "rerank" and ARCHITECTURES[model_type] not in RERANK_ARCHITECTURES:
-        raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: "
-                               f"{sorted(t for t, a in ARCHITECTURES.items() if a in RERANK_ARCHITECTURES)}")
+    if task == "rerank" and model_type not in RERANKERS:
+        raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: {list(RERANKERS)}")
 
     # A sentence-transformers embedding pipeline; a CrossEncoder's modules.json describes its head.
     modules = _read_json(path / "modules.json") if task == "embed" else None
@@ -222,9 +224,11 @@ def load_model_spec(
     st_prompts = _read_json(path / "config_sentence_transformers.json") or {}
     tok_config = _read_json(path / "tokenizer_config.json") or {}
 
-    is_decoder = model_type == "qwen3"
-    # Decoders attend causally unless the folder says otherwise (pplx-embed style bidirectional).
-    folder_causal = is_decoder and not hf_config.get("use_bidirectional_attention", False)
+    is_decoder = model_type in DECODERS
+    # Decoders attend causally unless the folder says otherwise: pplx-embed style
+    # `use_bidirectional_attention`, or `is_causal: false` (gte-Qwen2's remote code reads it).
+    bidirectional = hf_config.get("use_bidirectional_attention", False) or hf_config.get("is_causal") is False
+    folder_causal = is_decoder and not bidirectional
     default_pooling: Pooling = "last" if is_decoder else "mean"
     # Never past the position table, whatever sentence_bert_config.json says.
     max_len = min(st_config.get("max_seq_length") or _default_max_len(hf_config, tok_config), max_positions(hf_config))

@@ -589,3 +589,57 @@ def make_mpnet_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, d
     _save_hf_model(model, out, _torch_dtype(dtype))
     write_sentence_transformers_files(out, s["hidden_size"], "mean", max_len)
     return out
+
+
+QWEN2_SHAPES: dict[str, dict[str, Any]] = {
+    # Exactly Alibaba-NLP/gte-Qwen2-1.5B-instruct (its vocabulary size and positions).
+    "gte-qwen2-1.5b": dict(num_hidden_layers=28, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
+                           intermediate_size=8960, max_position_embeddings=131072, vocab_size=151646),
+    # Same structure (GQA 6:1 there, 2:1 here; q/k/v biases), small enough for CI on a CPU.
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=32768, vocab_size=None),
+}
+QWEN2_EOS = "<|endoftext|>"
+
+
+def save_byte_level_bpe_tokenizer(out: Path, max_length: int, eos: str = QWEN2_EOS) -> int:
+    """A byte-level BPE tokenizer trained on TOKENIZER_CORPUS that appends `eos` to every text (the
+    token gte-Qwen2's last-token pooling reads), padding on the left; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=[eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer)
+    eos_id = tok.token_to_id(eos)
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1",
+                                                       special_tokens=[(eos, eos_id)])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos, padding_side="left",
+                                      model_max_length=max_length)
+    wrapped.save_pretrained(str(out))
+    return tok.get_vocab_size()
+
+
+def make_qwen2_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32",
+                      max_seq_length: int = 512) -> Path:
+    """A gte-Qwen2-instruct-layout embedder (Qwen2Model weights, causal, last-token pooling +
+    Normalize, an instruction prompt for queries) with seeded random weights and a trained
+    byte-level BPE tokenizer that appends <|endoftext|>."""
+    from transformers import Qwen2Config, Qwen2Model
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s = dict(QWEN2_SHAPES[shape])
+    size = save_byte_level_bpe_tokenizer(out, max_seq_length)
+    s["vocab_size"] = s["vocab_size"] or size
+    torch.manual_seed(seed)
+    config = Qwen2Config(**s, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         use_sliding_window=False)
+    model = perturb_(Qwen2Model(config), seed)
+    _save_hf_model(model, out, _torch_dtype(dtype))
+    write_sentence_transformers_files(out, s["hidden_size"], "lasttoken", max_seq_length,
+                                      prompts={"query": QUERY_PROMPT, "document": ""})
+    return out

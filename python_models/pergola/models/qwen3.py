@@ -1,4 +1,7 @@
-"""Qwen3 decoder as an embedding model (Qwen3-Embedding, pplx-embed) over flat tokens: [T, hidden].
+"""Qwen3 and Qwen2 decoders as embedding models (Qwen3-Embedding, pplx-embed, gte-Qwen2) over flat tokens: [T, hidden].
+
+Qwen2 is the same network without the per-head q/k RMSNorm and with biases on the q/k/v
+projections (not on o); the config's `model_type` decides, and RoPE then runs on its own.
 
 Module and weight names follow Hugging Face's `Qwen3Model`, so checkpoints load by name; q/k/v
 and gate/up are one fused matmul each, loaded part by part (`packed_modules_mapping`). No KV cache and
@@ -19,7 +22,7 @@ from torch import nn
 
 from pergola.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
-from pergola.layers.fused import qk_norm_rope, rms_norm
+from pergola.layers.fused import qk_norm_rope, rms_norm, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
 from pergola.models import Model
 from pergola.rerank import AnswerIds
@@ -56,6 +59,22 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(freqs.sin())
 
 
+def apply_rope(qkv: torch.Tensor, rope: "RotaryEmbedding", positions: torch.Tensor, num_heads: int,
+               num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on q and k of qkv [T, (Hq + 2 Hkv) * D] without a norm (Qwen2, Gemma3 after its own
+    norms): q [T, Hq, D], k [T, Hkv, D] rotated (new tensors), v [T, Hkv, D] a view. HF's arithmetic:
+    the fp32 tables cast to the model dtype, x * cos + rotate_half(x) * sin."""
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    c = rope.cos[positions].unsqueeze(1).to(qkv.dtype)  # [T, 1, D/2]
+    s = rope.sin[positions].unsqueeze(1).to(qkv.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    return rotate(q), rotate(k), v
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -65,11 +84,15 @@ class Qwen3Attention(nn.Module):
         self.head_dim = head_dim(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias, eps = cfg.get("attention_bias", False), cfg.get("rms_norm_eps", 1e-6)
-        self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], bias=bias)  # fused q | k | v
-        self.o_proj = Linear(self.q_size, h, bias=bias)  # Qwen3: no bias, so Triton tiles may serve it
-        self.q_norm = RMSNorm(self.head_dim, eps)  # per head, before RoPE
-        self.k_norm = RMSNorm(self.head_dim, eps)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        qwen2 = cfg.get("model_type") == "qwen2"  # q/k/v biases, no q/k norm
+        bias = cfg.get("attention_bias", False)
+        self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], bias=bias or qwen2)  # q | k | v
+        self.o_proj = Linear(self.q_size, h, bias=bias)  # no bias (Qwen2, Qwen3), so Triton tiles may serve it
+        self.qk_norm = not qwen2
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps)  # per head, before RoPE
+            self.k_norm = RMSNorm(self.head_dim, eps)
 
     def forward(
         self,
@@ -82,9 +105,11 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
-        # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
-        q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
-                               self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
+        if self.qk_norm:  # q/k RMSNorm + RoPE in one kernel, in place; q, k, v are views into qkv.
+            q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
+                                   self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
+        else:
+            q, k, v = apply_rope(qkv, rope, positions, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
 
@@ -130,7 +155,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     scaling = cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
-        raise ModelFolderError(f"Qwen3 with rope type {rope_type!r} is not supported (only the default RoPE)")
+        raise ModelFolderError(f"{cfg.get('model_type')} with rope type {rope_type!r} is not supported "
+                               "(only the default RoPE)")
     return float(params.get("rope_theta") or cfg.get("rope_theta", 10000.0))
 
 
