@@ -287,13 +287,13 @@ def test_qwen3_reranker_folder_loads(qwen_folder, qwen_tok):
 def test_long_documents_are_cut_before_tokenization_with_the_same_ids(request, monkeypatch, kind, document):
     """Only a covering prefix of a long document is tokenized; the pair ids equal those of the
     whole document tokenized and cut (the reference: the same tokenizer with prefixes off)."""
-    import pergola.rerank as rerank
+    import pergola.tokenization as tokenization
 
     folder = request.getfixturevalue("ce_folder" if kind == "cross-encoder" else "qwen_folder")
     tok = RerankTokenizer(load_model_spec(folder, task="rerank"), kind,
                           EngineConfig(model_dir=str(folder), max_text_chars=2_000_000, max_request_chars=4_000_000))
     ours = tok.encode(QUERY, [document, "short one"])
-    monkeypatch.setattr(rerank, "covering_prefix", lambda whole, text, tokens: text)
+    monkeypatch.setattr(tokenization, "covering_prefix", lambda whole, text, tokens: text)
     whole = tok.encode(QUERY, [document, "short one"])
     assert ours.input_ids.tolist() == whole.input_ids.tolist()
     assert ours.lengths.tolist() == whole.lengths.tolist()

@@ -9,13 +9,15 @@ Two model kinds (`reranker_kind`):
   document [SEP], token types 0 then 1), as sentence-transformers' CrossEncoder and
   `tokenizer(query, document)` do. Truncation cuts the document only ("only_second"), so the
   query always survives whole; sentence-transformers' default ("longest_first") would cut the
-  query too once the document is shorter than it.
+  query too once the document is shorter than it. TRUNCATE_MODE END cuts the document's end,
+  START its start (transformers' truncation_side="left"); MAX_DOCUMENT_TOKENS caps a document.
 * "qwen3-reranker" (Qwen/Qwen3-Reranker-*): the published prompt, laid out as the official
   reference builds it: prefix ids + body ids + suffix ids, where the body
   "<Instruct>: ...\\n<Query>: ...\\n<Document>: ..." is tokenized on its own and cut from the right
   to max_length - len(prefix) - len(suffix). The document is the body's tail, so that cut removes
-  document tokens only; a query whose instruction + query part leaves no room for the document is
-  refused. No EOS is appended (the reranker's tokenizer has no post-processor); the score is read
+  document tokens only (START keeps the instruction and query and cuts the document's start); a
+  query whose instruction + query part leaves no room for the document is refused. A request may
+  send its own INSTRUCTION (the task, e.g. "Given a legal question, find the clause that answers it"). No EOS is appended (the reranker's tokenizer has no post-processor); the score is read
   from the "no"/"yes" logits (`answer_ids`) at the last position.
 
 Tokenization is batched through HF `tokenizers`; the only Python loop gathers ids into flat arrays.
@@ -30,9 +32,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from pergola.config import EngineConfig
-from pergola.errors import RequestError, read_strings
+from pergola.errors import RequestError, StringLimits, read_strings
 from pergola.hf_folder import ModelFolderError, ModelSpec
-from pergola.tokenization import CHARS_PER_TOKEN, covering_prefix
+from pergola.tokenization import Template, cut, truncate_mode, window
 
 RerankKind = Literal["cross-encoder", "qwen3-reranker"]
 RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker")
@@ -79,10 +81,17 @@ class RerankEncoded:
     input_ids: np.ndarray  # [num_tokens] int64: every pair's ids, concatenated
     lengths: np.ndarray  # [num_documents] int32: tokens per pair (its slice of input_ids)
     token_type_ids: np.ndarray  # [num_tokens] int64: segment ids (cross-encoder: 0 query, 1 document)
+    truncated: np.ndarray  # [num_documents] bool: the document was cut
 
 
 class RerankTokenizer:
-    """Turns one rerank request (a query and its documents) into flat token ids."""
+    """Turns one rerank request (a query and its documents) into flat token ids.
+
+    Documents are tokenized without special tokens, cut in numpy (`pergola.tokenization.cut`:
+    END keeps a document's start, START its end; the query and a Qwen3 instruction are never
+    cut) and wrapped as the tokenizer's post-processor does (`Template`), so the ids equal
+    Hugging Face's truncation "only_second" (cross-encoder) or the official reference's.
+    """
 
     def __init__(
         self,
@@ -95,7 +104,8 @@ class RerankTokenizer:
         """config: the request limits (max_documents, max_text_chars, max_query_chars,
         max_request_chars; default EngineConfig's). max_length: tokens per pair (prompt included).
         Default: the folder's max_seq_length, and for qwen3-reranker at most 8192, as in the
-        official reference. kind: the folder's (`reranker_kind`) unless given."""
+        official reference. kind: the folder's (`reranker_kind`) unless given. instruction: the
+        default of requests that send none (qwen3-reranker only)."""
         kind = kind or reranker_kind(spec)
         if kind not in RERANK_KINDS:
             raise ValueError(f"kind must be one of {RERANK_KINDS}, got {kind!r}")
@@ -116,29 +126,38 @@ class RerankTokenizer:
         self._whole = Tokenizer.from_file(str(spec.tokenizer_file))
         self._whole.no_padding()
         self._whole.no_truncation()
-        self._truncating = Tokenizer.from_file(str(spec.tokenizer_file))
-        self._truncating.no_padding()
 
         if kind == "cross-encoder":
-            self._pair_specials = self._whole.num_special_tokens_to_add(is_pair=True)
-            if self._pair_specials + 1 >= self.max_length:
+            self.template = Template.probe(self._whole, pair=True)
+            if self.template.added + 1 >= self.max_length:
                 raise ValueError(f"max_length {self.max_length} leaves no room for a query and a document")
-            self._truncating.enable_truncation(self.max_length, strategy="only_second", direction="right")
         else:
+            self.template = Template.probe(self._whole)
             self.prefix_ids = np.asarray(
                 self._whole.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False).ids, dtype=np.int64)
             self.suffix_ids = np.asarray(
                 self._whole.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False).ids, dtype=np.int64)
-            self.body_budget = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
+            # the body's own tokens (its post-processor's, if any, come out of it as with HF's truncation)
+            self.body_budget = self.max_length - len(self.prefix_ids) - len(self.suffix_ids) - self.template.added
             if self.body_budget < 2:
                 raise ValueError(f"max_length {self.max_length} leaves no room for the reranker prompt")
-            self._truncating.enable_truncation(self.body_budget, strategy="longest_first", direction="right")
             self.answer_ids = answer_ids(spec, self._whole)
 
     def read_request(self, query: str | bytes, documents: list[str | bytes]) -> tuple[str, list[str]]:
         """The query and documents decoded and checked against the limits, before any tokenization."""
         [query] = read_strings([query], "QUERY", "query", self.query_limits)
         return query, read_strings(documents, "DOCUMENTS", "document", self.limits, used_chars=len(query))
+
+    def _read_instruction(self, instruction: str | bytes | None, query: str) -> str:
+        """The request's INSTRUCTION (counted with the query against max_query_chars), or the default."""
+        if instruction is None:
+            return self.instruction
+        if self.kind != "qwen3-reranker":
+            raise RequestError("INSTRUCTION applies to Qwen3-Reranker models; this cross-encoder takes none: "
+                               "leave it out")
+        limits = StringLimits(1, self.query_limits.max_chars, self.query_limits.max_chars, "max_query_chars")
+        [text] = read_strings([instruction], "INSTRUCTION", "instruction", limits, used_chars=len(query))
+        return text
 
     def _query_too_long(self, used: int, room: int) -> RequestError:
         what = "the instruction and query take" if self.kind == "qwen3-reranker" else "the query takes"
@@ -147,64 +166,84 @@ class RerankTokenizer:
             "for the document; shorten the query"
         )
 
-    def _over_limit(self, i: int, n: int) -> RequestError:
+    def _over_limit(self, i: int, n: int, max_document_tokens: int | None) -> RequestError:
+        if max_document_tokens:
+            return RequestError(f"DOCUMENTS[{i}] has more than {max_document_tokens} tokens, over this request's "
+                                f"limit of {max_document_tokens} (MAX_DOCUMENT_TOKENS); shorten the document or "
+                                "allow truncation (TRUNCATE_MODE=END or START, or TRUNCATE=true)")
         return RequestError(
             f"DOCUMENTS[{i}] with the query is {n} tokens, over this model's limit of {self.max_length}; "
-            "shorten the document or allow truncation (TRUNCATE=true)"
+            "shorten the document or allow truncation (TRUNCATE_MODE=END or START, or TRUNCATE=true)"
         )
 
-    def encode(self, query: str | bytes, documents: list[str | bytes], truncate: bool = True) -> RerankEncoded:
+    def encode(self, query: str | bytes, documents: list[str | bytes], truncate: bool | str = True,
+               max_document_tokens: int | None = None, instruction: str | bytes | None = None) -> RerankEncoded:
+        """truncate: a mode (NONE | START | END) or its BOOL form; max_document_tokens: a
+        document's most tokens (0 or None: what the model's limit leaves); instruction: this
+        request's Qwen3-Reranker instruction (None: the default)."""
         query, documents = self.read_request(query, documents)
+        instruction = self._read_instruction(instruction, query)
+        mode = truncate_mode(truncate)
+        if max_document_tokens is not None and max_document_tokens < 0:
+            raise RequestError(f"MAX_DOCUMENT_TOKENS={max_document_tokens} must be positive (0 or omitted = "
+                               "what the model's limit leaves)")
         if self.kind == "cross-encoder":
-            return self._encode_cross_encoder(query, documents, truncate)
-        return self._encode_qwen3(query, documents, truncate)
+            return self._encode_cross_encoder(query, documents, mode, max_document_tokens)
+        return self._encode_qwen3(query, documents, mode, max_document_tokens, instruction)
 
-    def _encode_cross_encoder(self, query: str, documents: list[str], truncate: bool) -> RerankEncoded:
-        query_len = len(self._whole.encode(query, add_special_tokens=False).ids)
-        if query_len + self._pair_specials + 1 > self.max_length:  # not even one document token fits
-            raise self._query_too_long(query_len + self._pair_specials, self.max_length)
-        tokenizer = self._truncating if truncate else self._whole
-        # A document far over the limit: only a prefix covering its kept tokens (+1 to tell "too
-        # long" apart) is tokenized; the pair template tokenizes query and document separately.
-        keep = self.max_length + 1
-        documents = [covering_prefix(self._whole, d, keep) if len(d) > keep * CHARS_PER_TOKEN else d
-                     for d in documents]
-        encodings = tokenizer.encode_batch([(query, doc) for doc in documents], add_special_tokens=True)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
-        if not truncate:
-            too_long = np.flatnonzero(lengths > self.max_length)
-            if too_long.size:
-                i = int(too_long[0])
-                raise self._over_limit(i, int(lengths[i]))
-        input_ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
-        token_type_ids = np.concatenate([np.asarray(e.type_ids, dtype=np.int64) for e in encodings])
-        return RerankEncoded(input_ids=input_ids, lengths=lengths, token_type_ids=token_type_ids)
+    def _cut(self, texts: list[str], mode: str, head: int, budget: int, extra: int,
+             max_document_tokens: int | None) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each text's ids cut to `budget` (`head` leading ids kept whole); a document far over it is
+        tokenized only as far as a covering window. `extra`: the pair's tokens besides these."""
+        texts = [window(self._whole, t, mode, head, budget + 1) for t in texts]
+        ids = [np.asarray(e.ids, dtype=np.int64) for e in self._whole.encode_batch(texts, add_special_tokens=False)]
+        truncated = np.fromiter((len(x) > budget for x in ids), dtype=bool, count=len(ids))
+        if truncated.any():
+            if mode == "NONE":
+                i = int(np.flatnonzero(truncated)[0])
+                raise self._over_limit(i, len(ids[i]) + extra, max_document_tokens)
+            ids = [cut(x, budget, mode, head) if t else x for x, t in zip(ids, truncated)]
+        return ids, truncated
 
-    def _encode_qwen3(self, query: str, documents: list[str], truncate: bool) -> RerankEncoded:
+    def _encode_cross_encoder(self, query: str, documents: list[str], mode: str,
+                              max_document_tokens: int | None) -> RerankEncoded:
+        # The pair template tokenizes query and document separately: the query once, then the
+        # documents, cut to what the query leaves ("only_second").
+        q = np.asarray(self._whole.encode(query, add_special_tokens=False).ids, dtype=np.int64)
+        room = self.max_length - self.template.added - len(q)
+        if room < 1:  # not even one document token fits
+            raise self._query_too_long(len(q) + self.template.added, self.max_length)
+        budget = min(room, max_document_tokens) if max_document_tokens else room
+        ids, truncated = self._cut(documents, mode, 0, budget, len(q) + self.template.added, max_document_tokens)
+        parts: list[np.ndarray] = []
+        types: list[np.ndarray] = []
+        for x in ids:
+            parts += self.template.ids(q, x)
+            types += self.template.types(len(q), len(x))
+        lengths = np.fromiter((len(q) + len(x) + self.template.added for x in ids), dtype=np.int32, count=len(ids))
+        return RerankEncoded(input_ids=np.concatenate(parts), lengths=lengths,
+                             token_type_ids=np.concatenate(types), truncated=truncated)
+
+    def _encode_qwen3(self, query: str, documents: list[str], mode: str, max_document_tokens: int | None,
+                      instruction: str) -> RerankEncoded:
         # Everything before the document; the body's tokens start with exactly these (the
         # pre-tokenizer always splits after "<Document>:", whose next character is a space).
-        head = qwen3_reranker_body(self.instruction, query, "").rstrip(" ")
+        # Truncation cuts the body after them (END) or keeps them and the body's end (START).
+        head = qwen3_reranker_body(instruction, query, "").rstrip(" ")
         head_len = len(self._whole.encode(head, add_special_tokens=False).ids)
+        extra = len(self.prefix_ids) + len(self.suffix_ids) + self.template.added
         if head_len + 1 > self.body_budget:
-            raise self._query_too_long(head_len + len(self.prefix_ids) + len(self.suffix_ids), self.max_length)
-        keep = self.body_budget + 1  # the body is cut from the right: its head, then the document
-        bodies = [qwen3_reranker_body(self.instruction, query, doc) for doc in documents]
-        bodies = [covering_prefix(self._whole, b, keep) if len(b) > keep * CHARS_PER_TOKEN else b for b in bodies]
-        tokenizer = self._truncating if truncate else self._whole
-        encodings = tokenizer.encode_batch(bodies, add_special_tokens=True)
-        extra = len(self.prefix_ids) + len(self.suffix_ids)
-        lengths = np.fromiter((len(e.ids) + extra for e in encodings), dtype=np.int32, count=len(encodings))
-        if not truncate:
-            too_long = np.flatnonzero(lengths > self.max_length)
-            if too_long.size:
-                i = int(too_long[0])
-                raise self._over_limit(i, int(lengths[i]))
+            raise self._query_too_long(head_len + extra, self.max_length)
+        budget = min(self.body_budget, head_len + max_document_tokens) if max_document_tokens else self.body_budget
+        bodies = [qwen3_reranker_body(instruction, query, doc) for doc in documents]
+        ids, truncated = self._cut(bodies, mode, head_len, budget, extra, max_document_tokens)
         parts: list[np.ndarray] = []
-        for e in encodings:
-            parts += (self.prefix_ids, np.asarray(e.ids, dtype=np.int64), self.suffix_ids)
+        for x in ids:
+            parts += (self.prefix_ids, *self.template.ids(x), self.suffix_ids)
         input_ids = np.concatenate(parts)
-        token_type_ids = np.zeros(len(input_ids), dtype=np.int64)
-        return RerankEncoded(input_ids=input_ids, lengths=lengths, token_type_ids=token_type_ids)
+        lengths = np.fromiter((len(x) + extra for x in ids), dtype=np.int32, count=len(ids))
+        return RerankEncoded(input_ids=input_ids, lengths=lengths,
+                             token_type_ids=np.zeros(len(input_ids), dtype=np.int64), truncated=truncated)
 
 
 @dataclass(frozen=True)

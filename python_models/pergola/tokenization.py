@@ -1,28 +1,53 @@
 """The gateway's CPU work: prompts, batch tokenization, truncation, token counts.
 
 Tokenization is batched through HF `tokenizers` (Rust, parallel across texts); the only Python
-loop is the gather of each encoding's ids into one flat array, which the encoder needs anyway.
+loop gathers each encoding's ids into one flat array, which the encoder needs anyway. Texts are
+tokenized without special tokens, cut in numpy, and wrapped in the special tokens the
+tokenizer's post-processor adds (`Template`, probed once): one path for every truncation mode,
+with the same ids as Hugging Face's truncation and a flag per text telling whether it was cut.
 
-Truncation-aware: a text far longer than the model's limit is not tokenized whole. Only a prefix
-that certainly yields the kept tokens is (`covering_prefix`), so a 5 MB text costs what a few kB
-do, with the same ids as tokenizing everything and truncating.
+Truncation modes (`TRUNCATE_MODE`, as NIM's `truncate`): END keeps a text's start (Hugging
+Face's default), START keeps its end, NONE refuses a text over the limit. A prompt is never cut:
+START keeps the prompt's tokens and the end of the text.
+
+Truncation-aware: a text far longer than the limit is not tokenized whole. Only a prefix (END,
+NONE) or a suffix (START) that certainly yields the kept tokens is (`covering_prefix`,
+`covering_suffix`), so a 5 MB text costs what a few kB do, with the same ids as tokenizing
+everything and truncating.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from pergola.config import EngineConfig
 from pergola.errors import RequestError, StringLimits, quote, read_strings
-from pergola.hf_folder import ModelSpec
+from pergola.hf_folder import ModelFolderError, ModelSpec
 
 # A first prefix of CHARS_PER_TOKEN characters per kept token covers them in nearly every
 # language (English ~4.5 characters a token, CJK ~1, code with long whitespace tokens more);
 # when it does not, the prefix doubles.
 CHARS_PER_TOKEN = 8
+
+TruncateMode = Literal["NONE", "START", "END"]
+TRUNCATE_MODES: tuple[str, ...] = ("NONE", "START", "END")
+
+
+def truncate_mode(value: str | bool | None, default: str | bool = "END", name: str = "TRUNCATE_MODE") -> str:
+    """NONE | START | END from a mode name (any case) or the BOOL form (true = END, false = NONE)."""
+    if value is None:
+        value = default
+    if isinstance(value, (bool, np.bool_)):
+        return "END" if value else "NONE"
+    mode = str(value).upper()
+    if mode not in TRUNCATE_MODES:
+        raise RequestError(f"{name}={quote(value)} is not a truncation mode; send NONE (refuse texts over the "
+                           "limit), START (cut their start) or END (cut their end)")
+    return mode
 
 
 def _first_unsafe_token(enc: Encoding) -> int:
@@ -39,6 +64,21 @@ def _first_unsafe_token(enc: Encoding) -> int:
         return 0
     unsafe = max(words) - 1
     return next((i for i, w in enumerate(enc.word_ids) if w is not None and w >= unsafe), len(enc.ids))
+
+
+def _safe_tail(enc: Encoding) -> int:
+    """How many of a suffix's last tokens are certainly the whole text's at the same place.
+
+    The mirror of `_first_unsafe_token`: the suffix's first word may be cut, and a pre-tokenizer
+    that starts matching at another character may split the next word differently (".,abc" is
+    ".," "abc" whole but ",abc" from the comma); from the third word on the splits agree.
+    """
+    words = [w for w in enc.word_ids if w is not None]
+    if not words:
+        return 0
+    safe_from = min(words) + 2
+    first = next((i for i, w in enumerate(enc.word_ids) if w is not None and w >= safe_from), len(enc.ids))
+    return len(enc.ids) - first
 
 
 def covering_prefix(whole: Tokenizer, text: str, tokens: int) -> str:
@@ -63,11 +103,110 @@ def covering_prefix(whole: Tokenizer, text: str, tokens: int) -> str:
     return text
 
 
+def covering_suffix(whole: Tokenizer, text: str, tokens: int) -> str:
+    """The shortest tried suffix of `text` whose last `tokens` tokens are the whole text's (START
+    truncation's `covering_prefix`; a giant word is settled the same way, by two suffixes agreeing)."""
+    chars = max(512, tokens * CHARS_PER_TOKEN)
+    previous: list[int] | None = None
+    while chars < len(text):
+        enc = whole.encode(text[-chars:], add_special_tokens=False)
+        if _safe_tail(enc) > tokens:
+            return text[-chars:]
+        tail = enc.ids[-(tokens + 1):]
+        if previous is not None and len(tail) > tokens and tail == previous:
+            return text[-chars:]
+        previous = tail
+        chars *= 2
+    return text
+
+
+def window(whole: Tokenizer, text: str, mode: str, head: int, keep: int) -> str:
+    """The part of `text` to tokenize: it holds every token `mode` keeps of the first `keep` (END,
+    NONE) or of the first `head` and the last `keep - head` (START). Asked for one token more than
+    the limit, the window tells a text over it apart. Short texts are their own window."""
+    if len(text) <= keep * CHARS_PER_TOKEN:
+        return text
+    if mode != "START":
+        return covering_prefix(whole, text, keep)
+    tail = covering_suffix(whole, text, keep - head)
+    front = covering_prefix(whole, text, head + 1) if head else ""
+    return text if len(front) + len(tail) >= len(text) else front + tail
+
+
+def cut(ids: np.ndarray, budget: int, mode: str, head: int = 0) -> np.ndarray:
+    """`ids` [n] cut to `budget` tokens: END keeps the first, START the first `head` (a prompt, a
+    reranker's instruction and query) and the last `budget - head`."""
+    if len(ids) <= budget:
+        return ids
+    if mode == "END":
+        return ids[:budget]
+    return np.concatenate([ids[:head], ids[len(ids) - (budget - head):]])
+
+
+@dataclass(frozen=True)
+class Template:
+    """The tokens a tokenizer's post-processor puts around one sequence, or a pair (BERT:
+    [CLS] a [SEP] b [SEP]), with their token types: found by post-processing probes, so that
+    sequences cut in numpy get exactly what Hugging Face would add after its truncation."""
+
+    parts: tuple[np.ndarray, ...]  # ids before, (between,) after the sequences, int64
+    part_types: tuple[np.ndarray, ...]  # their token types
+    sequence_types: tuple[int, ...]  # the token type of each sequence's own tokens
+
+    @property
+    def added(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    @classmethod
+    def probe(cls, tokenizer: Tokenizer, pair: bool = False) -> "Template":
+        probes = [tokenizer.encode(t, add_special_tokens=False) for t in ("hello", "world")[:1 + pair]]
+        full = tokenizer.post_process(probes[0], probes[1] if pair else None, add_special_tokens=True)
+        ids, types = np.asarray(full.ids, dtype=np.int64), np.asarray(full.type_ids, dtype=np.int64)
+        bounds = [0]  # part k lies between sequence k-1 and sequence k
+        for probe in probes:  # each sequence's ids, in order, after the previous one
+            n = len(probe.ids)
+            at = next((i for i in range(bounds[-1], len(ids) - n + 1) if full.ids[i:i + n] == probe.ids), None)
+            if at is None:
+                raise ModelFolderError("the tokenizer's post-processor does more than add special tokens "
+                                       "around each sequence; pergola cannot truncate for it")
+            bounds += [at, at + n]
+        bounds.append(len(ids))
+        template = cls(parts=tuple(ids[a:b] for a, b in zip(bounds[::2], bounds[1::2])),
+                       part_types=tuple(types[a:b] for a, b in zip(bounds[::2], bounds[1::2])),
+                       sequence_types=tuple(int(types[bounds[2 * k + 1]]) for k in range(len(probes))))
+        if template.added != tokenizer.num_special_tokens_to_add(is_pair=pair):
+            raise ModelFolderError("the tokenizer's post-processor adds tokens pergola cannot place")
+        return template
+
+    def ids(self, *sequences: np.ndarray) -> list[np.ndarray]:
+        """The pieces of one post-processed sequence (or pair), in order, for np.concatenate."""
+        out = [self.parts[0]]
+        for k, s in enumerate(sequences):
+            out += (s, self.parts[k + 1])
+        return out
+
+    def types(self, *lengths: int) -> list[np.ndarray]:
+        out = [self.part_types[0]]
+        for k, n in enumerate(lengths):
+            out += (np.full(n, self.sequence_types[k], dtype=np.int64), self.part_types[k + 1])
+        return out
+
+
 @dataclass(frozen=True)
 class Encoded:
     input_ids: np.ndarray  # [num_tokens] int64: every text's ids, concatenated
     lengths: np.ndarray  # [num_texts] int32: tokens per text (its slice of input_ids)
     prompt_lengths: np.ndarray  # [num_texts] int32: leading tokens that pooling skips (0 = none)
+    truncated: np.ndarray  # [num_texts] bool: the text was cut to the limit
+
+
+def token_limit(model_max: int, max_tokens: int | None, name: str = "MAX_TOKENS") -> int:
+    """The request's limit: the model's, or `max_tokens` when that is lower (0 or None: the model's)."""
+    if max_tokens is None or max_tokens == 0:
+        return model_max
+    if max_tokens < 0:
+        raise RequestError(f"{name}={max_tokens} must be positive (0 or omitted = this model's limit)")
+    return min(model_max, int(max_tokens))
 
 
 class TextTokenizer:
@@ -76,13 +215,12 @@ class TextTokenizer:
     def __init__(self, spec: ModelSpec, limits: StringLimits | None = None) -> None:
         self.spec = spec
         self.limits = limits or EngineConfig(model_dir=str(spec.path)).text_limits()
-        self._truncating = Tokenizer.from_file(str(spec.tokenizer_file))
-        self._truncating.no_padding()
-        self._truncating.enable_truncation(spec.max_seq_length)
         self._whole = Tokenizer.from_file(str(spec.tokenizer_file))
         self._whole.no_padding()
         self._whole.no_truncation()
+        self.template = Template.probe(self._whole)
         self._prompt_skip: dict[str, int] = {}
+        self._prompt_tokens: dict[str, int] = {}
 
     def resolve_prompt(self, prompt_name: str | None) -> str:
         """The prefix for `prompt_name` (None: the folder's default prompt, if any)."""
@@ -102,31 +240,57 @@ class TextTokenizer:
             self._prompt_skip[prompt] = len(self._whole.encode(prompt).ids) - 1
         return self._prompt_skip[prompt]
 
-    def encode(self, texts: list[str | bytes], prompt_name: str | None = None, truncate: bool = True) -> Encoded:
-        """Texts (str, or UTF-8 bytes as Triton hands them) -> flat ids. The request's limits
-        are checked before anything is tokenized."""
+    def _head_for(self, prompt: str) -> int:
+        """The prompt's own tokens: what START truncation keeps at the front."""
+        if prompt not in self._prompt_tokens:
+            self._prompt_tokens[prompt] = len(self._whole.encode(prompt, add_special_tokens=False).ids)
+        return self._prompt_tokens[prompt]
+
+    def _budget(self, limit: int, head: int, max_tokens: int | None) -> int:
+        """Text tokens a sequence may hold within `limit`, refused when nothing of a text would fit."""
+        budget = limit - self.template.added
+        if budget <= head:
+            what = f"MAX_TOKENS={max_tokens}" if limit < self.spec.max_seq_length else f"this model's limit of {limit}"
+            need = self.template.added + head + 1
+            raise RequestError(f"{what} leaves no room for text: the special tokens and the prompt take "
+                               f"{need - 1}; allow at least {need} tokens")
+        return budget
+
+    def _too_long(self, i: int, limit: int, max_tokens: int | None) -> RequestError:
+        whose = "this request's limit" if limit < self.spec.max_seq_length else "this model's limit"
+        hint = " (MAX_TOKENS)" if limit < self.spec.max_seq_length else ""
+        return RequestError(f"TEXT[{i}] has more than {limit} tokens, over {whose} of {limit}{hint}; "
+                            "shorten it or allow truncation (TRUNCATE_MODE=END or START, or TRUNCATE=true)")
+
+    def encode(self, texts: list[str | bytes], prompt_name: str | None = None, truncate: bool | str = True,
+               max_tokens: int | None = None) -> Encoded:
+        """Texts (str, or UTF-8 bytes as Triton hands them) -> flat ids. `truncate`: a mode or
+        its BOOL form; `max_tokens`: a limit below the model's (0 or None: the model's). The
+        request's limits are checked before anything is tokenized."""
         texts = read_strings(texts, "TEXT", "text", self.limits)
         prompt = self.resolve_prompt(prompt_name)
+        mode = truncate_mode(truncate)
+        limit = token_limit(self.spec.max_seq_length, max_tokens)
+        head = self._head_for(prompt) if prompt and mode == "START" else 0
+        budget = self._budget(limit, self._head_for(prompt) if prompt else 0, max_tokens)
         if prompt:
             texts = [prompt + t for t in texts]
         if self.spec.do_lower_case:
             texts = [t.lower() for t in texts]
-        # Over-long texts: tokenize a covering prefix; one more token than the limit tells
-        # "too long" apart when truncation is off.
-        keep = self.spec.max_seq_length + 1
-        texts = [covering_prefix(self._whole, t, keep) if len(t) > keep * CHARS_PER_TOKEN else t for t in texts]
-        tokenizer = self._truncating if truncate else self._whole
-        encodings = tokenizer.encode_batch(texts, add_special_tokens=True)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
-        if not truncate:
-            too_long = np.flatnonzero(lengths > self.spec.max_seq_length)
-            if too_long.size:
-                i = int(too_long[0])
-                raise RequestError(
-                    f"TEXT[{i}] has more than {self.spec.max_seq_length} tokens, over this model's limit of "
-                    f"{self.spec.max_seq_length}; shorten it or allow truncation (TRUNCATE=true)"
-                )
-        input_ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
-        skip = self._skip_for(prompt)
-        prompt_lengths = np.full(len(texts), skip, dtype=np.int32)
-        return Encoded(input_ids=input_ids, lengths=lengths, prompt_lengths=prompt_lengths)
+        # Over-long texts: tokenize a covering window; one more token than the budget tells
+        # "too long" apart.
+        texts = [window(self._whole, t, mode, head, budget + 1) for t in texts]
+        encodings = self._whole.encode_batch(texts, add_special_tokens=False)
+        ids = [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+        truncated = np.fromiter((len(x) > budget for x in ids), dtype=bool, count=len(ids))
+        if truncated.any():
+            if mode == "NONE":
+                raise self._too_long(int(np.flatnonzero(truncated)[0]), limit, max_tokens)
+            ids = [cut(x, budget, mode, head) if t else x for x, t in zip(ids, truncated)]
+        parts: list[np.ndarray] = []
+        for x in ids:
+            parts += self.template.ids(x)
+        lengths = np.fromiter((len(x) + self.template.added for x in ids), dtype=np.int32, count=len(ids))
+        prompt_lengths = np.full(len(texts), self._skip_for(prompt), dtype=np.int32)
+        return Encoded(input_ids=np.concatenate(parts), lengths=lengths, prompt_lengths=prompt_lengths,
+                       truncated=truncated)

@@ -15,19 +15,27 @@ import numpy as np
 from pergola.encodings import check_encoding
 from pergola.errors import RequestError, bounded, decode_utf8
 from pergola.rerank import RerankOptions
+from pergola.tokenization import truncate_mode
 
 MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)
 
 
-def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
-    """First element of an optional input, or None when the client did not send it."""
+def optional_single(pb_utils: Any, request: Any, name: str) -> Any | None:
+    """The one element of an optional input as it came (bytes for BYTES), or None when not sent."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
     values = tensor.as_numpy().reshape(-1)
     if values.size != 1:
         raise RequestError(f"{name} takes exactly one value, got {values.size}")
-    value = values[0]
+    return values[0]
+
+
+def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
+    """First element of an optional input, or None when the client did not send it."""
+    value = optional_single(pb_utils, request, name)
+    if value is None:
+        return None
     if isinstance(value, bytes):
         if len(value) > MAX_OPTION_BYTES:
             raise RequestError(f"{name} is {len(value):,} bytes; it takes a short name (at most {MAX_OPTION_BYTES})")
@@ -52,6 +60,25 @@ class EmbedOptions(NamedTuple):
     dimensions: int  # leading dimensions kept, 0: all
     normalize: bool
     encoding: str  # pergola.encodings
+
+
+def read_truncation(pb_utils: Any, request: Any, default: bool) -> str:
+    """TRUNCATE_MODE (NONE | START | END) or its BOOL form TRUNCATE (true = END, false = NONE);
+    with both, they must agree; with neither, the model's default (`--truncate`)."""
+    flag = optional_scalar(pb_utils, request, "TRUNCATE")
+    mode = optional_scalar(pb_utils, request, "TRUNCATE_MODE")
+    if mode is None:
+        return truncate_mode(None if flag is None else bool(flag), default)
+    mode = truncate_mode(mode)
+    if flag is not None and bool(flag) != (mode != "NONE"):
+        raise RequestError(f"TRUNCATE={str(bool(flag)).lower()} contradicts TRUNCATE_MODE={mode}; send one of them")
+    return mode
+
+
+def optional_count(pb_utils: Any, request: Any, name: str) -> int | None:
+    """An optional INT32 count such as MAX_TOKENS (None when not sent)."""
+    value = optional_scalar(pb_utils, request, name)
+    return None if value is None else int(value)
 
 
 def rerank_options(pb_utils: Any, request: Any) -> RerankOptions:

@@ -10,7 +10,8 @@ from pergola.memory import HeapTrimmer
 from pergola.metrics import TokenizerMetrics
 from pergola.errors import RequestError
 from pergola.rerank import RerankTokenizer
-from pergola.triton_io import error_response, optional_scalar, required_strings, rerank_options
+from pergola.triton_io import (error_response, optional_count, optional_single, read_truncation, required_strings,
+                               rerank_options)
 
 
 class TritonPythonModel:
@@ -34,10 +35,13 @@ class TritonPythonModel:
             documents = required_strings(pb_utils, request, "DOCUMENTS")  # checked by encode()
             self.trimmer.after(sum(map(len, documents)) * 8)
             options = rerank_options(pb_utils, request)
-            truncate = optional_scalar(pb_utils, request, "TRUNCATE")
             started = time.perf_counter()
-            enc = self.tokenizer.encode(query[0], documents,
-                                        truncate=self.cfg.truncate if truncate is None else bool(truncate))
+            enc = self.tokenizer.encode(
+                query[0], documents,
+                truncate=read_truncation(pb_utils, request, self.cfg.truncate),
+                max_document_tokens=optional_count(pb_utils, request, "MAX_DOCUMENT_TOKENS"),
+                instruction=optional_single(pb_utils, request, "INSTRUCTION"),  # checked by encode()
+            )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
         self.metrics.observe(time.perf_counter() - started)
@@ -46,4 +50,6 @@ class TritonPythonModel:
             pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),
             pb_utils.Tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :]),
             pb_utils.Tensor("TOP_N_OUT", np.array([[options.top_n]], dtype=np.int32)),
+            pb_utils.Tensor("TOKEN_COUNT", enc.lengths),
+            pb_utils.Tensor("TRUNCATED", enc.truncated),
         ])

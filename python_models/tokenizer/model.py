@@ -9,7 +9,8 @@ from pergola.config import EngineConfig
 from pergola.memory import HeapTrimmer
 from pergola.metrics import TokenizerMetrics
 from pergola.tokenization import TextTokenizer
-from pergola.triton_io import embed_options, error_response, optional_scalar, required_strings
+from pergola.triton_io import (embed_options, error_response, optional_count, optional_scalar, read_truncation,
+                               required_strings)
 
 
 class TritonPythonModel:
@@ -31,12 +32,12 @@ class TritonPythonModel:
             texts = required_strings(pb_utils, request, "TEXT")  # decoded and size-checked by encode()
             self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
             dims, normalize, encoding = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize)
-            truncate = optional_scalar(pb_utils, request, "TRUNCATE")
             started = time.perf_counter()
             enc = self.tokenizer.encode(
                 texts,
                 prompt_name=optional_scalar(pb_utils, request, "PROMPT_NAME"),
-                truncate=self.cfg.truncate if truncate is None else bool(truncate),
+                truncate=read_truncation(pb_utils, request, self.cfg.truncate),
+                max_tokens=optional_count(pb_utils, request, "MAX_TOKENS"),
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
@@ -49,4 +50,5 @@ class TritonPythonModel:
             pb_utils.Tensor("NORMALIZE_OUT", np.array([[normalize]], dtype=bool)),
             pb_utils.Tensor("ENCODING_OUT", np.array([[encoding.encode()]], dtype=object)),
             pb_utils.Tensor("TOKEN_COUNT", enc.lengths),
+            pb_utils.Tensor("TRUNCATED", enc.truncated),
         ])
