@@ -201,19 +201,30 @@ def test_mpnet_matches_sentence_transformers(mpnet_folder):
     assert_matches_sentence_transformers(engine_for(mpnet_folder), mpnet_folder, XLMR_TEXTS)
 
 
-# --- Qwen2 (gte-Qwen2) ----------------------------------------------------------------------------
+# --- Qwen2 (gte-Qwen2) and Gemma3 (EmbeddingGemma): decoders with query prompts -------------------
 
 @pytest.fixture(scope="module")
-def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pergola.testing import make_qwen2_folder
+def decoder_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from pergola.testing import make_gemma3_folder, make_qwen2_folder
 
-    return make_qwen2_folder(tmp_path_factory.mktemp("qwen2") / "qwen2", seed=8)
+    root = tmp_path_factory.mktemp("decoders")
+    return {"qwen2": make_qwen2_folder(root / "qwen2", seed=8), "gemma3": make_gemma3_folder(root / "gemma3", seed=9)}
+
+
+# (architecture, causal, pooling, normalize, embedding width, Dense modules) each folder must read as.
+DECODER_SPECS = {"qwen2": ("qwen3", True, "last", True, 64, 0), "gemma3": ("gemma3", False, "mean", True, 64, 2)}
 
 
 @pytest.mark.parametrize("prompt", [None, "query"])
-def test_qwen2_matches_sentence_transformers(qwen2_folder, prompt):
-    spec = load_model_spec(qwen2_folder)
-    assert (spec.architecture, spec.causal, spec.pooling, spec.normalize) == ("qwen3", True, "last", True)
-    engine = engine_for(qwen2_folder)
-    assert not hasattr(engine.runner.model.layers[0].self_attn, "q_norm")
-    assert_matches_sentence_transformers(engine, qwen2_folder, TEXTS, prompt)
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
+def test_decoder_matches_sentence_transformers(decoder_folders, kind, prompt):
+    """gte-Qwen2: causal, last token, q/k/v biases, no q/k norm. EmbeddingGemma: bidirectional,
+    Gemma norms and scaling, Dense after mean pooling, and texts of 1 to 300+ tokens against a
+    16-token window, so the band and the ragged path both run."""
+    folder = decoder_folders[kind]
+    spec = load_model_spec(folder)
+    assert (spec.architecture, spec.causal, spec.pooling, spec.normalize, spec.hidden_size, len(spec.dense)) == \
+        DECODER_SPECS[kind]
+    engine = engine_for(folder)
+    assert hasattr(engine.runner.model.layers[0].self_attn, "q_norm") == (kind == "gemma3")
+    assert_matches_sentence_transformers(engine, folder, TEXTS, prompt)

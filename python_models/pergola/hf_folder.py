@@ -18,9 +18,10 @@ Task = Literal["embed", "rerank"]
 # HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
 # XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
 ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpnet": "mpnet", "qwen2": "qwen3",
-                 "qwen3": "qwen3"}
-# Decoder model types: last-token pooling by default, causal unless the config says otherwise.
-DECODERS = ("qwen2", "qwen3")
+                 "qwen3": "qwen3", "gemma3_text": "gemma3"}
+# Decoder model types: last-token pooling by default, causal unless the config says otherwise
+# (EmbeddingGemma's says use_bidirectional_attention).
+DECODERS = ("qwen2", "qwen3", "gemma3_text")
 # Model types served as rerankers: sequence classification, or Qwen3-Reranker's yes/no logits.
 RERANKERS = ("bert", "roberta", "xlm-roberta", "qwen3")
 # Model types whose positions start at padding index + 1 (fairseq numbering).

@@ -602,23 +602,26 @@ QWEN2_SHAPES: dict[str, dict[str, Any]] = {
 QWEN2_EOS = "<|endoftext|>"
 
 
-def save_byte_level_bpe_tokenizer(out: Path, max_length: int, eos: str = QWEN2_EOS) -> int:
+def save_byte_level_bpe_tokenizer(out: Path, max_length: int, eos: str = QWEN2_EOS, bos: str | None = None,
+                                  pad: str | None = None, padding_side: str = "left") -> int:
     """A byte-level BPE tokenizer trained on TOKENIZER_CORPUS that appends `eos` to every text (the
-    token gte-Qwen2's last-token pooling reads), padding on the left; returns its size."""
+    token gte-Qwen2's last-token pooling reads) and starts it with `bos` if given; returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=[eos], show_progress=False,
+    specials = list(dict.fromkeys(t for t in (pad, eos, bos) if t))
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer)
-    eos_id = tok.token_to_id(eos)
-    tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1",
-                                                       special_tokens=[(eos, eos_id)])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos, padding_side="left",
-                                      model_max_length=max_length)
+    start = f"{bos} " if bos else ""
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{start}$A {eos}", pair=f"{start}$A {eos} $B:1 {eos}:1",
+        special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos) if t])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=pad or eos,
+                                      padding_side=padding_side, model_max_length=max_length)
     wrapped.save_pretrained(str(out))
     return tok.get_vocab_size()
 
@@ -642,4 +645,48 @@ def make_qwen2_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, d
     _save_hf_model(model, out, _torch_dtype(dtype))
     write_sentence_transformers_files(out, s["hidden_size"], "lasttoken", max_seq_length,
                                       prompts={"query": QUERY_PROMPT, "document": ""})
+    return out
+
+
+GEMMA3_SHAPES: dict[str, dict[str, Any]] = {
+    # Exactly google/embeddinggemma-300m (5 sliding-window layers of 512 per full one, 2048 tokens).
+    "embeddinggemma-300m": dict(num_hidden_layers=24, hidden_size=768, intermediate_size=1152, num_attention_heads=3,
+                                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                                vocab_size=262144, layer_types=None, dense=3072),
+    # Same structure at CI size; a window of 16 tokens, so the tests' texts cross it, and a
+    # query_pre_attn_scalar unlike head_dim, so the attention scale is checked too.
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=16, vocab_size=None,
+                 layer_types=["sliding_attention", "full_attention"], dense=256),
+}
+EMBEDDINGGEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
+
+
+def make_gemma3_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32",
+                       max_seq_length: int = 2048) -> Path:
+    """An EmbeddingGemma-layout folder: Gemma3TextModel weights (bidirectional), mean pooling,
+    Dense hidden -> dense -> hidden without bias or activation, Normalize, its query/document
+    prompts; seeded random weights and a trained byte-level BPE tokenizer (<bos> text <eos>)."""
+    from sentence_transformers.sentence_transformer.modules import Dense
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s = dict(GEMMA3_SHAPES[shape])
+    dense_width = s.pop("dense")
+    if s["layer_types"] is None:
+        s["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                            for i in range(s["num_hidden_layers"])]
+    size = save_byte_level_bpe_tokenizer(out, max_seq_length, eos="<eos>", bos="<bos>", pad="<pad>",
+                                         padding_side="right")
+    s["vocab_size"] = s["vocab_size"] or size
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(**s, max_position_embeddings=2048, use_bidirectional_attention=True,
+                              rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = perturb_(Gemma3TextModel(config), seed)
+    _save_hf_model(model, out, _torch_dtype(dtype))
+    h = s["hidden_size"]
+    dense = [Dense(h, dense_width, bias=False, activation_function=torch.nn.Identity()),
+             Dense(dense_width, h, bias=False, activation_function=torch.nn.Identity())]
+    write_sentence_transformers_files(out, h, "mean", max_seq_length, dense=dense, prompts=EMBEDDINGGEMMA_PROMPTS)
     return out

@@ -25,10 +25,11 @@ ARCHITECTURES = {
     "bert": ("pergola.models.bert", "BertModel"),
     "mpnet": ("pergola.models.mpnet", "MPNetModel"),
     "qwen3": ("pergola.models.qwen3", "Qwen3Model"),
+    "gemma3": ("pergola.models.gemma3", "Gemma3TextModel"),
 }
 
 # Architectures whose attention is causal or bidirectional as the folder says (the `causal` argument).
-DECODERS = ("qwen3",)
+DECODERS = ("qwen3", "gemma3")
 
 
 class Model(nn.Module):

@@ -59,20 +59,19 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(freqs.sin())
 
 
-def apply_rope(qkv: torch.Tensor, rope: "RotaryEmbedding", positions: torch.Tensor, num_heads: int,
-               num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RoPE on q and k of qkv [T, (Hq + 2 Hkv) * D] without a norm (Qwen2, Gemma3 after its own
-    norms): q [T, Hq, D], k [T, Hkv, D] rotated (new tensors), v [T, Hkv, D] a view. HF's arithmetic:
-    the fp32 tables cast to the model dtype, x * cos + rotate_half(x) * sin."""
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    c = rope.cos[positions].unsqueeze(1).to(qkv.dtype)  # [T, 1, D/2]
-    s = rope.sin[positions].unsqueeze(1).to(qkv.dtype)
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: "RotaryEmbedding",
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [T, Hq, D] and k [T, Hkv, D] as separate kernels (Qwen2: no q/k norm to fuse it
+    with; Gemma3: after its own norms), as new tensors. HF's arithmetic: the fp32 tables cast to
+    the model dtype, x * cos + rotate_half(x) * sin."""
+    c = rope.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+    s = rope.sin[positions].unsqueeze(1).to(q.dtype)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
-    return rotate(q), rotate(k), v
+    return rotate(q), rotate(k)
 
 
 class Qwen3Attention(nn.Module):
@@ -109,7 +108,8 @@ class Qwen3Attention(nn.Module):
             q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, positions,
                                    self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
         else:
-            q, k, v = apply_rope(qkv, rope, positions, self.num_heads, self.num_kv_heads, self.head_dim)
+            q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, k, rope, positions)
         return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
 
