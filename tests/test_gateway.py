@@ -165,6 +165,166 @@ def test_openai_models_lists_every_served_model(openai_client):
     assert {"embed", "minilm", "rerank", "ce"} <= listed
 
 
+# --- truncation, token limits, instructions ----------------------------------------------------
+
+LONG_TEXTS = [TEXTS[0], TEXTS[1], TEXTS[1] + TEXTS[9] * 30, TEXTS[8]]  # two over MiniLM's 256 tokens
+
+
+def hf_truncated(st_model, texts: list[str], limit: int, side: str) -> list[list[int]]:
+    """Hugging Face's ids: tokenize, cut to `limit` tokens from the right (END) or left (START)."""
+    tok = st_model.tokenizer
+    tok.truncation_side = side
+    try:
+        return tok(texts, truncation=True, max_length=limit)["input_ids"]
+    finally:
+        tok.truncation_side = "right"
+
+
+@pytest.mark.parametrize("truncate,max_tokens,side", [("END", None, "right"), (True, None, "right"),
+                                                      ("start", None, "left"), ("START", 12, "left"),
+                                                      ("END", 12, "right")])
+def test_openai_truncate_modes_equal_hugging_face_truncation(gateway, st_model, truncate, max_tokens, side):
+    """Each mode's vectors equal those of Hugging Face's truncated ids sent as token ids; usage
+    counts the kept tokens."""
+    limit = min(max_tokens or 10**6, st_model.max_seq_length)
+    ids = hf_truncated(st_model, LONG_TEXTS, limit, side)
+    body = {"model": "minilm", "input": LONG_TEXTS, "truncate": truncate}
+    status, by_text, _ = call(gateway, "POST", "/v1/embeddings", body | ({"max_tokens": max_tokens} if max_tokens
+                                                                           else {}))
+    assert status == 200, by_text
+    _, by_ids, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": ids})
+    a = np.array([d["embedding"] for d in by_text["data"]])
+    b = np.array([d["embedding"] for d in by_ids["data"]])
+    assert cosine_rows(a, b).min() >= 0.99999
+    assert by_text["usage"]["prompt_tokens"] == sum(len(t) for t in ids)
+
+
+def test_truncated_flags_come_through_the_ensemble(server, st_model):
+    """TRUNCATED says per text whether it was cut (TRUNCATE_MODE, MAX_TOKENS on Triton's port)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, data, dtype in (("TEXT", np.array([t.encode() for t in LONG_TEXTS], dtype=object), "BYTES"),
+                              ("TRUNCATE_MODE", np.array([b"START"], dtype=object), "BYTES"),
+                              ("MAX_TOKENS", np.array([12], dtype=np.int32), "INT32")):
+        tensor = grpcclient.InferInput(name, list(data.shape), dtype)
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    result = client.infer("minilm", inputs)
+    full = [len(ids) for ids in st_model.tokenizer(LONG_TEXTS)["input_ids"]]
+    assert result.as_numpy("TRUNCATED").tolist() == [n > 12 for n in full] == [False, True, True, True]
+    assert result.as_numpy("TOKEN_COUNT").tolist() == [min(n, 12) for n in full]
+
+
+def test_truncation_off_is_refused_in_each_api(gateway):
+    """A text over the limit with truncation off: 400 naming the input for OpenAI and Cohere,
+    TEI's 413 "Input validation error"; the index is the request's, not its chunk's (3 a chunk)."""
+    texts = ["a", "b", "c", "d", TEXTS[1]]
+    status, message = openai_error(gateway, {"model": "minilm", "input": texts, "truncate": "NONE"})
+    assert status == 400 and "input[4] has more than 256 tokens" in message and '"truncate"' in message
+    status, message = openai_error(gateway, {"model": "minilm", "input": ["a", "b c d e"], "truncate": False,
+                                             "max_tokens": 3})
+    assert status == 400 and "input[1] has more than 3 tokens" in message
+    status, out, _ = call(gateway, "POST", "/embed", {"model": "minilm", "inputs": texts, "truncate": False})
+    assert status == 413 and out["error"].startswith("Input validation error: `inputs` must have less than 257 "
+                                                     "tokens") and "inputs[4]" in out["error"]
+    assert out["error_type"] == "Validation"
+    long_doc = "word " * 600
+    status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": "q", "documents": ["a", long_doc],
+                                                          "truncate": "NONE"})
+    assert status == 400 and "documents[1]" in out["message"], out
+    status, out, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": "q", "texts": ["a", long_doc],
+                                                       "truncate": False})
+    assert status == 413 and "texts[1]" in out["error"], out
+    status, message = openai_error(gateway, {"model": "minilm", "input": "x", "truncate": "LEFT"})
+    assert status == 422 and "`truncate`='LEFT' is not a truncation mode" in message
+
+
+def test_tei_truncation_direction_left_is_start(gateway):
+    """TEI's truncate + truncation_direction Left cuts a text's start: the OpenAI route's START."""
+    _, tei, _ = call(gateway, "POST", "/embed", {"model": "minilm", "inputs": LONG_TEXTS, "truncate": True,
+                                                 "truncation_direction": "Left"})
+    _, start, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": LONG_TEXTS,
+                                                           "truncate": "START"})
+    _, end, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": LONG_TEXTS, "truncate": "END"})
+    a = np.array(tei)
+    assert cosine_rows(a, np.array([d["embedding"] for d in start["data"]])).min() >= 0.99999
+    assert cosine_rows(a, np.array([d["embedding"] for d in end["data"]]))[2] < 0.9  # the cut side matters
+    status, out, _ = call(gateway, "POST", "/embed", {"inputs": "x", "truncation_direction": "Up"})
+    assert status == 422 and "truncation_direction" in out["error"]
+
+
+def test_tei_raw_scores_are_refused_not_faked(gateway):
+    status, out, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": "q", "texts": ["a"],
+                                                       "raw_scores": True})
+    assert status == 422 and "raw_scores is not available" in out["error"] and out["error_type"] == "Validation"
+
+
+def test_rerank_usage_counts_the_pairs_tokens(gateway, rerank_folders):
+    """usage.total_tokens (Cohere/Jina) and TEI's x-total-tokens: every pair's tokens as
+    transformers counts them, max_tokens_per_doc cutting each document."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(rerank_folders["cross-encoder"]))
+    body = {"model": "ce", "query": QUERY, "documents": DOCS}
+    for max_doc, max_length in ((None, 512), (5, None)):
+        q = len(hf(QUERY, add_special_tokens=False)["input_ids"])
+        pairs = hf([QUERY] * len(DOCS), DOCS, truncation="only_second", max_length=max_length or q + 3 + max_doc)
+        status, out, _ = call(gateway, "POST", "/v1/rerank", body | ({"max_tokens_per_doc": max_doc} if max_doc
+                                                                     else {}))
+        assert status == 200, out
+        assert out["usage"]["total_tokens"] == sum(len(ids) for ids in pairs["input_ids"])
+    status, _, headers = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS})
+    pairs = hf([QUERY] * len(DOCS), DOCS, truncation="only_second", max_length=512)
+    assert status == 200 and int(headers["x-total-tokens"]) == sum(len(ids) for ids in pairs["input_ids"])
+
+
+def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction: str) -> np.ndarray:
+    """transformers on the official Qwen3-Reranker prompt with `instruction` (the model card's code)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pergola.rerank import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    prefix = tok.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
+    suffix = tok.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    scores = []
+    with torch.no_grad():
+        for doc in docs:
+            body = tok(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", truncation=True,
+                       max_length=8192 - len(prefix) - len(suffix))["input_ids"]
+            logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
+            scores.append(torch.softmax(logits[[no, yes]], 0)[1].item())
+    return np.array(scores, dtype=np.float32)
+
+
+def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway, rerank_folders):
+    if "qwen3-reranker" not in rerank_folders:
+        pytest.skip("the real Qwen3 tokenizer is not available")
+    from pergola.rerank import QWEN3_RERANKER_INSTRUCTION
+
+    folder = rerank_folders["qwen3-reranker"]
+    docs = DOCS[:4]
+    instruction = "Given a question about geography, find the sentence that names a capital city"
+    got = {}
+    for given in (None, instruction):
+        body = {"model": "qr", "query": QUERY, "documents": docs} | ({"instruction": given} if given else {})
+        status, out, _ = call(gateway, "POST", "/v1/rerank", body)
+        assert status == 200, out
+        got[given] = np.array([r["relevance_score"] for r in sorted(out["results"], key=lambda r: r["index"])])
+    np.testing.assert_allclose(got[None], qwen3_reranker_scores(folder, QUERY, docs, QWEN3_RERANKER_INSTRUCTION),
+                               atol=1e-4)
+    np.testing.assert_allclose(got[instruction], qwen3_reranker_scores(folder, QUERY, docs, instruction), atol=1e-4)
+    assert np.abs(got[instruction] - got[None]).max() > 1e-3  # the instruction is part of the prompt
+    status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": QUERY, "documents": docs,
+                                                          "instruction": instruction})
+    assert status == 400 and "INSTRUCTION applies to Qwen3-Reranker models" in out["message"]
+
+
 # --- a result does not depend on how the request was cut ----------------------------------------
 
 def test_split_answers_equal_unsplit(gateway, server, tmp_path):
@@ -263,8 +423,6 @@ def test_status_codes_say_what_to_change(gateway):
     assert status == 400 and "no-such-prompt" in message
     status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "embed", "query": "q", "documents": ["d"]})
     assert status == 400 and "embed model" in out["message"]
-    status, out, _ = call(gateway, "POST", "/embed", {"inputs": "x", "truncation_direction": "Left"})
-    assert status == 422 and out["error_type"] == "Validation"
 
 
 def test_body_over_the_limit_is_413(server, tmp_path):

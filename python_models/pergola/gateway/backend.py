@@ -9,8 +9,9 @@ on its own (ragged batches), which tests/test_gateway.py checks against unsplit 
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Awaitable, Sequence, TypeVar
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
@@ -18,6 +19,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 
 from pergola.admin import GRPC_API_KEY_HEADER
 from pergola.gateway.catalog import ServedModel
+from pergola.gateway.errors import GatewayError
 from pergola.gateway.replicas import ReplicaPool
 
 # Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
@@ -34,14 +36,56 @@ class EmbedOptions:
     prompt_name: str | None = None
     dimensions: int | None = None
     normalize: bool | None = None
-    truncate: bool | None = None
+    truncate: str | None = None  # NONE | START | END (None: the model's default)
+    max_tokens: int | None = None  # a limit below the model's
     encoding: str = "float32"  # a key of OUTPUTS
+
+
+@dataclass(frozen=True)
+class RerankOptions:
+    truncate: str | None = None  # NONE | START | END (None: the model's default)
+    max_document_tokens: int | None = None
+    instruction: str | None = None  # a Qwen3-Reranker's task instruction
 
 
 @dataclass
 class Embedded:
     vectors: np.ndarray  # [n, dim] of OUTPUTS[encoding]'s dtype ([n, ceil(dim / 8)] for binary)
     tokens: np.ndarray  # [n] int: tokens per input after truncation
+
+
+@dataclass
+class Reranked:
+    scores: np.ndarray  # [n] float32, in input order
+    tokens: np.ndarray  # [n] int: tokens per (query, document) pair after truncation
+
+
+# The tokenizer models' refusal of a text over the token limit with truncation off
+_TOO_LONG = re.compile(r"(?:TEXT|DOCUMENTS)\[(\d+)\] (?:has more than \d+ tokens|with the query is \d+ tokens), "
+                       r"over this (?:model's|request's) limit of (\d+)")
+
+
+class TooLong(GatewayError):
+    """Input `index` of the request (not of its chunk) is over `limit` tokens and truncation is
+    off; each route words it for its API (TEI answers 413, OpenAI and Cohere 400)."""
+
+    def __init__(self, index: int, limit: int, message: str) -> None:
+        super().__init__(400, message)
+        self.index, self.limit = index, limit
+
+
+T = TypeVar("T")
+
+
+async def _numbered(start: int, call: Awaitable[T]) -> T:
+    """A chunk's call; a too-long refusal names the request's input, not the chunk's."""
+    try:
+        return await call
+    except GatewayError as e:
+        found = _TOO_LONG.search(e.message)
+        if found is None:
+            raise
+        raise TooLong(start + int(found[1]), int(found[2]), e.message) from None
 
 
 def chunks(sizes: Sequence[int], max_items: int, max_size: int) -> list[tuple[int, int]]:
@@ -74,7 +118,9 @@ def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
     if opts.normalize is not None:
         inputs.append(_tensor("NORMALIZE", np.array([opts.normalize], dtype=bool).reshape(shape), "BOOL"))
     if opts.truncate is not None:
-        inputs.append(_tensor("TRUNCATE", np.array([opts.truncate], dtype=bool).reshape(shape), "BOOL"))
+        inputs.append(_tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
+    if opts.max_tokens is not None:
+        inputs.append(_tensor("MAX_TOKENS", np.array([opts.max_tokens], dtype=np.int32), "INT32"))
     if opts.encoding != "float32":  # (left out otherwise: the plain request of older servers)
         inputs.append(_tensor("ENCODING", np.array([opts.encoding.encode()], dtype=object).reshape(shape), "BYTES"))
     return inputs
@@ -109,7 +155,7 @@ class Backend:
             result = await self._infer(model.name, inputs, [output, "TOKEN_COUNT"])
             return Embedded(result.as_numpy(output).view(dtype), result.as_numpy("TOKEN_COUNT"))
 
-        parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in texts],
+        parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks([len(t) for t in texts],
                                                                      self.chunk_texts, self.chunk_chars)))
         return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
 
@@ -131,17 +177,24 @@ class Backend:
         return Embedded(np.concatenate(parts), np.array([len(t) for t in ids], dtype=np.int32))
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
-                     truncate: bool | None = None) -> np.ndarray:
-        """Scores [n] float32 of `documents` against `query`, in input order."""
-        q = _tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")
+                     opts: RerankOptions = RerankOptions()) -> Reranked:
+        """Scores [n] float32 of `documents` against `query` and each pair's tokens, in input order."""
+        options = [_tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")]
+        if opts.truncate is not None:
+            options.append(_tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
+        if opts.max_document_tokens is not None:
+            options.append(_tensor("MAX_DOCUMENT_TOKENS", np.array([opts.max_document_tokens], dtype=np.int32),
+                                   "INT32"))
+        if opts.instruction is not None:
+            options.append(_tensor("INSTRUCTION", np.array([opts.instruction.encode("utf-8")], dtype=object), "BYTES"))
 
-        async def one(start: int, end: int) -> np.ndarray:
+        async def one(start: int, end: int) -> Reranked:
             docs = np.array([d.encode("utf-8") for d in documents[start:end]], dtype=object)
-            inputs = [q, _tensor("DOCUMENTS", docs, "BYTES")]
-            if truncate is not None:
-                inputs.append(_tensor("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
-            return (await self._infer(model.name, inputs, ["SCORE"])).as_numpy("SCORE")
+            result = await self._infer(model.name, [*options, _tensor("DOCUMENTS", docs, "BYTES")],
+                                       ["SCORE", "TOKEN_COUNT"])
+            return Reranked(result.as_numpy("SCORE"), result.as_numpy("TOKEN_COUNT"))
 
         sizes = [len(d) + len(query) for d in documents]
-        return np.concatenate(await asyncio.gather(*(one(a, b) for a, b in chunks(sizes, self.chunk_texts,
-                                                                                 self.chunk_chars))))
+        parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks(sizes, self.chunk_texts,
+                                                                                  self.chunk_chars)))
+        return Reranked(np.concatenate([p.scores for p in parts]), np.concatenate([p.tokens for p in parts]))

@@ -3,7 +3,9 @@
 `input` is a string, a list of strings, a list of token ids or a list of such lists (token ids
 go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `encoding_format`
 float|base64, `user` ignored), pergola takes `prompt_name` or `input_type` (query, passage or
-document; Cohere's search_query / search_document too), `truncate`, and `embedding_type` with
+document; Cohere's search_query / search_document too), `truncate` (NONE, START or END as NIM and
+Cohere send it, or true = END / false = NONE), `max_tokens` (Cohere's: a limit below the model's),
+and `embedding_type` with
 Cohere's meanings: float, float16, int8 (round(127 x) of the unit vector), uint8 (int8 + 128),
 ubinary (sign bits, 8 dimensions a byte, first in the high bit) and binary (ubinary - 128, as
 int8). base64 carries the little-endian bytes of each row in that type.
@@ -17,11 +19,12 @@ from typing import Any, Callable
 import numpy as np
 from starlette.requests import Request
 
-from pergola.errors import read_strings
-from pergola.gateway.backend import EmbedOptions, Embedded
+from pergola.errors import RequestError, read_strings
+from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, read_body
 from pergola.gateway.state import Gateway
+from pergola.tokenization import truncate_mode
 
 _SAME = lambda codes: codes  # noqa: E731
 # embedding_type -> (Triton ENCODING, codes -> the values sent)
@@ -37,6 +40,23 @@ INPUT_TYPES = {"query": "query", "search_query": "query",
                "passage": "document", "document": "document", "search_document": "document"}
 
 
+def truncate_option(body: Body, name: str = "truncate") -> str | None:
+    """`truncate` as NIM and Cohere send it (NONE, START, END; any case) or as a boolean (true = END)."""
+    value = body.get(name, (str, bool))
+    if value is None:
+        return None
+    try:
+        return truncate_mode(value, name=f"`{name}`")
+    except RequestError as e:
+        raise GatewayError(422, str(e), name) from None
+
+
+def too_long(e: TooLong, field: str, hint: str) -> GatewayError:
+    """A text over the token limit with truncation off, named by the API's field."""
+    return GatewayError(400, f"{field}[{e.index}] has more than {e.limit} tokens, the most this request allows "
+                             f"(the model's limit, or the one it asked for); shorten it or {hint}", field)
+
+
 def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
     prompt = body.get("prompt_name", str)
     input_type = body.get("input_type", str)
@@ -47,8 +67,8 @@ def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
         if prompt is not None and prompt != INPUT_TYPES[input_type]:
             raise GatewayError(422, "send `prompt_name` or `input_type`, not both", "input_type")
         prompt = INPUT_TYPES[input_type]
-    return EmbedOptions(prompt_name=prompt, dimensions=body.positive("dimensions"),
-                        truncate=body.get("truncate", bool), encoding=EMBEDDING_TYPES[embedding_type][0])
+    return EmbedOptions(prompt_name=prompt, dimensions=body.positive("dimensions"), truncate=truncate_option(body),
+                        max_tokens=body.positive("max_tokens"), encoding=EMBEDDING_TYPES[embedding_type][0])
 
 
 def token_lists(value: list) -> list[list[int]] | None:
@@ -77,8 +97,9 @@ async def embeddings(gw: Gateway, request: Request) -> dict[str, Any]:
     opts = embed_options(body, embedding_type)
     ids = token_lists(raw) if isinstance(raw, list) else None
     if ids is not None:
-        if opts.prompt_name is not None or opts.truncate is not None:
-            raise GatewayError(422, "token-id input is sent as it is: no prompt_name, input_type or truncate")
+        if opts.prompt_name is not None or opts.truncate is not None or opts.max_tokens is not None:
+            raise GatewayError(422, "token-id input is sent as it is: no prompt_name, input_type, truncate or "
+                                    "max_tokens")
         limits = model.text_limits()
         if len(ids) > limits.max_count:
             raise GatewayError(413, f"{len(ids):,} inputs in one request; the limit is {limits.max_count:,} "
@@ -88,7 +109,10 @@ async def embeddings(gw: Gateway, request: Request) -> dict[str, Any]:
         texts = [raw] if isinstance(raw, str) else raw
         if not all(isinstance(t, str) for t in texts):
             raise GatewayError(422, "`input` must be a string, a list of strings, or token ids", "input")
-        out = await gw.backend.embed(model, read_strings(texts, "input", "text", model.text_limits()), opts)
+        try:
+            out = await gw.backend.embed(model, read_strings(texts, "input", "text", model.text_limits()), opts)
+        except TooLong as e:
+            raise too_long(e, "input", 'send "truncate": "END" (or "START") to cut it') from None
     values = EMBEDDING_TYPES[embedding_type][1](out.vectors)
     encode: Callable[[np.ndarray], Any] = (lambda row: base64.b64encode(row.tobytes()).decode()) \
         if encoding_format == "base64" else (lambda row: row)

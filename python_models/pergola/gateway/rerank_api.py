@@ -2,8 +2,14 @@
 the body has `documents` (with `texts` it is TEI's form: tei_api.py).
 
     {"model": "rerank", "query": "...", "documents": ["..." or {"text": "..."}], "top_n": 3,
-     "return_documents": false}
- -> {"id", "results": [{"index", "relevance_score", "document": {"text"}?}] best first, "meta"}
+     "return_documents": false, "max_tokens_per_doc": 4096}
+ -> {"id", "results": [{"index", "relevance_score", "document": {"text"}?}] best first, "meta",
+     "usage": {"total_tokens"}}
+
+`max_tokens_per_doc` (Cohere's) cuts each document to that many tokens; pergola's extras:
+`truncate` (NONE, START, END or a boolean, which end of a document is cut) and `instruction`
+(a Qwen3-Reranker's task). `usage.total_tokens` (Jina's and vLLM's) counts every (query,
+document) pair's tokens as the encoder ran them.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import numpy as np
 from starlette.requests import Request
 
 from pergola.errors import StringLimits, read_strings
+from pergola.gateway.backend import Reranked, RerankOptions, TooLong
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, read_body
+from pergola.gateway.openai_api import too_long, truncate_option
 from pergola.gateway.state import Gateway
 
 
@@ -26,8 +34,16 @@ def best_first(scores: np.ndarray, top_n: int | None) -> list[int]:
     return order[:top_n].tolist() if top_n is not None else order.tolist()
 
 
-async def scores_of(gw: Gateway, body: Body, documents_field: str, truncate: bool | None) -> tuple[list[str], np.ndarray]:
-    """(documents, scores) for a rerank body, checked against the model's limits first."""
+def rerank_options(body: Body, truncate: str | None, max_document_tokens: str | None = None) -> RerankOptions:
+    """What a rerank body asks beyond query and documents (`truncate`: the mode, as its API sends it)."""
+    return RerankOptions(truncate=truncate, instruction=body.get("instruction", str),
+                         max_document_tokens=body.positive(max_document_tokens) if max_document_tokens else None)
+
+
+async def scores_of(gw: Gateway, body: Body, documents_field: str,
+                    opts: RerankOptions) -> tuple[list[str], Reranked]:
+    """(documents, scores and tokens) for a rerank body, checked against the model's limits first
+    (a document over the token limit with truncation off: TooLong, which each API words)."""
     model = await gw.model(body.get("model", str), "rerank")
     query_limit = model.limit("max_query_chars")
     [query] = read_strings([body.get("query", str, required=True)], "query", "query",
@@ -38,11 +54,16 @@ async def scores_of(gw: Gateway, body: Body, documents_field: str, truncate: boo
         raise GatewayError(422, f"`{documents_field}` must be strings (or objects with a `text` string)",
                            documents_field)
     docs = read_strings(docs, documents_field, "document", model.text_limits("max_documents"), used_chars=len(query))
-    return docs, await gw.backend.rerank(model, query, docs, truncate)
+    return docs, await gw.backend.rerank(model, query, docs, opts)
 
 
 async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
-    docs, scores = await scores_of(gw, body, "documents", body.get("truncate", bool))
+    opts = rerank_options(body, truncate_option(body), "max_tokens_per_doc")
+    try:
+        docs, out = await scores_of(gw, body, "documents", opts)
+    except TooLong as e:
+        raise too_long(e, "documents", 'send "truncate": "END" (or "START") to cut it') from None
+    scores = out.scores
     top_n = body.positive("top_n")
     with_docs = body.get("return_documents", bool, False)
     results = []
@@ -52,7 +73,8 @@ async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
             item["document"] = {"text": docs[i]}
         results.append(item)
     return {"id": str(uuid.uuid4()), "model": body.get("model", str) or "rerank", "results": results,
-            "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}}
+            "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}},
+            "usage": {"total_tokens": int(out.tokens.sum())}}
 
 
 async def rerank_route(gw: Gateway, request: Request) -> dict[str, Any]:

@@ -1,10 +1,14 @@
 """text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `GET /info`,
 `GET /health`; errors as {"error", "error_type"}.
 
-    /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "prompt_name": null,
-              "dimensions": null}  ->  [[float, ...], ...]
-    /rerank  {"query", "texts", "return_text": false, "truncate": null}
+    /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "truncation_direction":
+              "Right", "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
+    /rerank  {"query", "texts", "return_text": false, "truncate": null, "truncation_direction": "Right"}
              ->  [{"index", "score", "text"?}] best first
+
+`truncate: true` cuts a text over the limit at its end (`truncation_direction: Right`) or its
+start (`Left`); `false` refuses it with TEI's 413; left out, the model's default (`--truncate`)
+holds. Token counts come back in the `x-total-tokens` header.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from starlette.responses import Response
 
 from pergola.errors import RequestError, read_strings
 from pergola.gateway import rerank_api
-from pergola.gateway.backend import EmbedOptions
+from pergola.gateway.backend import EmbedOptions, TooLong
+from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, JSONResponse, Keys, error_response, read_body
 from pergola.gateway.state import Gateway
@@ -24,36 +29,57 @@ from pergola.gateway.state import Gateway
 VERSION = "pergola-gateway"
 
 
-def _truncation(body: Body) -> None:
-    direction = body.get("truncation_direction", str, "Right")
-    if direction.lower() != "right":
-        raise GatewayError(422, "truncation_direction Left is not supported: pergola keeps the start of a text "
-                                "(Right)", "truncation_direction")
-    if body.get("raw_scores", bool, False):
-        raise GatewayError(422, "raw_scores is not supported: scores are the model's sigmoid / P(yes)",
-                           "raw_scores")
+def _truncation(body: Body, model: ServedModel) -> str | None:
+    """TEI's `truncate` + `truncation_direction` as a mode (None: the model's default)."""
+    direction = body.get("truncation_direction", str, "Right").lower()
+    if direction not in ("left", "right"):
+        raise GatewayError(422, f"truncation_direction must be Left or Right, got {direction!r}",
+                           "truncation_direction")
+    side = "START" if direction == "left" else "END"
+    truncate = body.get("truncate", bool)
+    if truncate is None:  # the model's default decides whether to cut, the request from which side
+        return None if side == "END" else (side if model.limit("truncate") else "NONE")
+    return side if truncate else "NONE"
+
+
+def _too_long(e: TooLong, field: str) -> GatewayError:
+    """TEI's answer to an input over the limit with truncation off."""
+    return GatewayError(413, f"Input validation error: `{field}` must have less than {e.limit + 1} tokens. "
+                             f"Given: more than {e.limit} ({field}[{e.index}]); send `truncate: true` to cut it",
+                        field)
 
 
 async def embed(gw: Gateway, request: Request) -> Any:
     body = await read_body(request, gw.opts.max_body_bytes)
-    _truncation(body)
     model = await gw.model(body.get("model", str), "embed")
     raw = body.get("inputs", (str, list), required=True)
     texts = [raw] if isinstance(raw, str) else raw
     if not all(isinstance(t, str) for t in texts):
         raise GatewayError(422, "`inputs` must be a string or a list of strings", "inputs")
     opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.positive("dimensions"),
-                        normalize=body.get("normalize", bool, True), truncate=body.get("truncate", bool))
-    out = await gw.backend.embed(model, read_strings(texts, "inputs", "text", model.text_limits()), opts)
+                        normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
+    try:
+        out = await gw.backend.embed(model, read_strings(texts, "inputs", "text", model.text_limits()), opts)
+    except TooLong as e:
+        raise _too_long(e, "inputs") from None
     return JSONResponse(out.vectors, headers={"x-total-tokens": str(int(out.tokens.sum()))})
 
 
-async def tei_rerank(gw: Gateway, body: Body) -> list[dict[str, Any]]:
-    _truncation(body)
-    texts, scores = await rerank_api.scores_of(gw, body, "texts", body.get("truncate", bool))
+async def tei_rerank(gw: Gateway, body: Body) -> JSONResponse:
+    if body.get("raw_scores", bool, False):
+        raise GatewayError(422, "raw_scores is not available: pergola's rerank models return sigmoid(logit) "
+                                "(cross-encoders) or P(yes) (Qwen3-Reranker), and logits read back from those "
+                                "would lose precision; leave raw_scores out or false", "raw_scores")
+    model = await gw.model(body.get("model", str), "rerank")
+    try:
+        texts, out = await rerank_api.scores_of(gw, body, "texts",
+                                                rerank_api.rerank_options(body, _truncation(body, model)))
+    except TooLong as e:
+        raise _too_long(e, "texts") from None
     with_text = body.get("return_text", bool, False)
-    return [{"index": i, "score": float(scores[i]), **({"text": texts[i]} if with_text else {})}
-            for i in rerank_api.best_first(scores, None)]
+    return JSONResponse([{"index": i, "score": float(out.scores[i]), **({"text": texts[i]} if with_text else {})}
+                         for i in rerank_api.best_first(out.scores, None)],
+                        headers={"x-total-tokens": str(int(out.tokens.sum()))})
 
 
 async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
@@ -64,8 +90,9 @@ async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
         body = await read_body(request, gw.opts.max_body_bytes)
         family = "tei" if "texts" in body.data else "cohere"
         keys.check(request)
-        result = await (tei_rerank(gw, body) if family == "tei" else rerank_api.rerank(gw, body))
-        return JSONResponse(result)
+        if family == "tei":
+            return await tei_rerank(gw, body)
+        return JSONResponse(await rerank_api.rerank(gw, body))
     except (GatewayError, RequestError) as e:
         return error_response(e, family)
 
