@@ -325,6 +325,30 @@ def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway,
     assert status == 400 and "INSTRUCTION applies to Qwen3-Reranker models" in out["message"]
 
 
+def test_tei_tokenize_equals_the_tokenizers_offsets(gateway, st_model):
+    """/tokenize: {id, text, special, start, stop} per token as the model's Hugging Face tokenizer
+    gives them (offsets in characters), untruncated, cut into chunks and put back in order."""
+    texts = TEXTS[:5] + [TEXTS[1] * 3]  # the last over the 256-token limit: still whole
+    status, out, _ = call(gateway, "POST", "/tokenize", {"model": "minilm", "inputs": texts})
+    assert status == 200, out
+    tok = st_model.tokenizer
+    for text, tokens in zip(texts, out):
+        ref = tok(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+        assert [t["id"] for t in tokens] == ref["input_ids"]
+        assert [t["special"] for t in tokens] == [bool(m) for m in ref["special_tokens_mask"]]
+        for t, (start, stop), special in zip(tokens, ref["offset_mapping"], ref["special_tokens_mask"]):
+            if special:
+                assert t["start"] is None and t["text"] == tok.convert_ids_to_tokens(t["id"])
+            else:
+                assert (t["start"], t["stop"]) == (start, stop) and t["text"] == text[start:stop]
+    assert len(out[-1]) > 256
+    status, plain, _ = call(gateway, "POST", "/tokenize", {"model": "minilm", "inputs": "Hello world",
+                                                           "add_special_tokens": False})
+    assert status == 200 and [t["text"] for t in plain[0]] == ["Hello", "world"]
+    status, out, _ = call(gateway, "POST", "/tokenize", {"model": "ce", "inputs": "x"})
+    assert status == 400 and out["error_type"] == "Validation"
+
+
 # --- a result does not depend on how the request was cut ----------------------------------------
 
 def test_split_answers_equal_unsplit(gateway, server, tmp_path):

@@ -200,6 +200,17 @@ class Encoded:
     truncated: np.ndarray  # [num_texts] bool: the text was cut to the limit
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """What the tokenizer makes of texts, token by token (TEI's /tokenize), without truncation."""
+
+    input_ids: np.ndarray  # [num_tokens] int64: every text's ids, concatenated
+    lengths: np.ndarray  # [num_texts] int32
+    offsets: np.ndarray  # [num_tokens, 2] int32: characters [start, stop) in the text as tokenized
+    #                      (its prompt first); -1, -1 for a special token
+    pieces: list[str]  # [num_tokens]: each token's characters, or a special token's own text
+
+
 def token_limit(model_max: int, max_tokens: int | None, name: str = "MAX_TOKENS") -> int:
     """The request's limit: the model's, or `max_tokens` when that is lower (0 or None: the model's)."""
     if max_tokens is None or max_tokens == 0:
@@ -261,6 +272,26 @@ class TextTokenizer:
         hint = " (MAX_TOKENS)" if limit < self.spec.max_seq_length else ""
         return RequestError(f"TEXT[{i}] has more than {limit} tokens, over {whose} of {limit}{hint}; "
                             "shorten it or allow truncation (TRUNCATE_MODE=END or START, or TRUNCATE=true)")
+
+    def tokenize(self, texts: list[str | bytes], prompt_name: str | None = None,
+                 add_special_tokens: bool = True) -> Tokens:
+        """Every token of each text (its prompt first) with its characters and offsets: what
+        TEI's /tokenize shows. Nothing is cut: it says how long a text is for this model."""
+        texts = read_strings(texts, "TEXT", "text", self.limits)
+        prompt = self.resolve_prompt(prompt_name)
+        texts = [prompt + t for t in texts]
+        if self.spec.do_lower_case:
+            texts = [t.lower() for t in texts]
+        encodings = self._whole.encode_batch(texts, add_special_tokens=add_special_tokens)
+        pieces: list[str] = []
+        offsets: list[tuple[int, int]] = []
+        for text, e in zip(texts, encodings):
+            for token, (start, stop), special in zip(e.tokens, e.offsets, e.special_tokens_mask):
+                pieces.append(token if special else text[start:stop])
+                offsets.append((-1, -1) if special else (start, stop))
+        return Tokens(input_ids=np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64, count=len(pieces)),
+                      lengths=np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings)),
+                      offsets=np.asarray(offsets, dtype=np.int32).reshape(-1, 2), pieces=pieces)
 
     def encode(self, texts: list[str | bytes], prompt_name: str | None = None, truncate: bool | str = True,
                max_tokens: int | None = None) -> Encoded:

@@ -27,9 +27,23 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         return [self._execute_one(r) for r in requests]
 
+    def _tokens(self, request, texts: list) -> "pb_utils.InferenceResponse":
+        """Asked for TOKEN_TEXT (the gateway's /tokenize): every token, untruncated, with its text."""
+        add_special = optional_scalar(pb_utils, request, "ADD_SPECIAL_TOKENS")
+        tokens = self.tokenizer.tokenize(texts, prompt_name=optional_scalar(pb_utils, request, "PROMPT_NAME"),
+                                         add_special_tokens=True if add_special is None else bool(add_special))
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("INPUT_IDS", tokens.input_ids[None, :]),
+            pb_utils.Tensor("LENGTHS", tokens.lengths[None, :]),
+            pb_utils.Tensor("TOKEN_TEXT", np.array([p.encode() for p in tokens.pieces], dtype=object)[None, :]),
+            pb_utils.Tensor("TOKEN_OFFSETS", tokens.offsets[None, :]),
+        ])
+
     def _execute_one(self, request) -> "pb_utils.InferenceResponse":
         try:
             texts = required_strings(pb_utils, request, "TEXT")  # decoded and size-checked by encode()
+            if "TOKEN_TEXT" in request.requested_output_names():
+                return self._tokens(request, texts)
             self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
             dims, normalize, encoding = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize)
             started = time.perf_counter()

@@ -1,7 +1,7 @@
 """The gateway's ASGI app (Starlette on uvicorn) and how it runs.
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
-/v1/rerank, /v2/rerank; TEI /embed, /info, /health; /rerank takes either form.
+/v1/rerank, /v2/rerank; TEI /embed, /tokenize, /info, /health; /rerank takes either form.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/v2/rerank", "cohere", rerank_api.rerank_route),
         Route("/rerank", rerank_either, methods=["POST"]),
         route("/embed", "tei", tei_api.embed),
+        route("/tokenize", "tei", tei_api.tokenize),
         route("/info", "tei", tei_api.info, "GET"),
         Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
     ]

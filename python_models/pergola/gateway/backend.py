@@ -60,6 +60,14 @@ class Reranked:
     tokens: np.ndarray  # [n] int: tokens per (query, document) pair after truncation
 
 
+@dataclass
+class Tokenized:
+    ids: np.ndarray  # [num_tokens] int64, every text's tokens in order
+    lengths: np.ndarray  # [n] int32: tokens per text
+    pieces: np.ndarray  # [num_tokens] bytes: each token's text (UTF-8)
+    offsets: np.ndarray  # [num_tokens, 2] int32: characters [start, stop) in its text, -1 for special tokens
+
+
 # The tokenizer models' refusal of a text over the token limit with truncation off
 _TOO_LONG = re.compile(r"(?:TEXT|DOCUMENTS)\[(\d+)\] (?:has more than \d+ tokens|with the query is \d+ tokens), "
                        r"over this (?:model's|request's) limit of (\d+)")
@@ -175,6 +183,24 @@ class Backend:
         parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in ids], self.chunk_texts,
                                                                      self.chunk_chars)))
         return Embedded(np.concatenate(parts), np.array([len(t) for t in ids], dtype=np.int32))
+
+    async def tokenize(self, model: ServedModel, texts: list[str], prompt_name: str | None,
+                       add_special_tokens: bool) -> Tokenized:
+        """Every token of `texts` as NAME_tokenizer makes them (asked for TOKEN_TEXT: untruncated)."""
+        options = [_tensor("ADD_SPECIAL_TOKENS", np.array([add_special_tokens], dtype=bool), "BOOL")]
+        if prompt_name is not None:
+            options.append(_tensor("PROMPT_NAME", np.array([prompt_name.encode()], dtype=object), "BYTES"))
+        outputs = ["INPUT_IDS", "LENGTHS", "TOKEN_TEXT", "TOKEN_OFFSETS"]
+
+        async def one(start: int, end: int) -> Tokenized:
+            data = np.array([t.encode("utf-8") for t in texts[start:end]], dtype=object)
+            result = await self._infer(f"{model.target}_tokenizer", [_tensor("TEXT", data, "BYTES"), *options], outputs)
+            return Tokenized(*(result.as_numpy(name)[0] for name in outputs))
+
+        parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in texts], self.chunk_texts,
+                                                                     self.chunk_chars)))
+        return Tokenized(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("ids", "lengths", "pieces",
+                                                                                     "offsets")))
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
                      opts: RerankOptions = RerankOptions()) -> Reranked:

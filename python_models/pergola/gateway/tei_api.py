@@ -1,5 +1,5 @@
-"""text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `GET /info`,
-`GET /health`; errors as {"error", "error_type"}.
+"""text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `POST /tokenize`,
+`GET /info`, `GET /health`; errors as {"error", "error_type"}.
 
     /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "truncation_direction":
               "Right", "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -95,6 +96,24 @@ async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
         return JSONResponse(await rerank_api.rerank(gw, body))
     except (GatewayError, RequestError) as e:
         return error_response(e, family)
+
+
+async def tokenize(gw: Gateway, request: Request) -> list[list[dict[str, Any]]]:
+    """TEI's /tokenize: each input's tokens as the served model's tokenizer makes them (its
+    prompt first, untruncated): {id, text, special, start, stop}, offsets in characters."""
+    body = await read_body(request, gw.opts.max_body_bytes)
+    model = await gw.model(body.get("model", str), "embed")
+    raw = body.get("inputs", (str, list), required=True)
+    texts = [raw] if isinstance(raw, str) else raw
+    if not all(isinstance(t, str) for t in texts):
+        raise GatewayError(422, "`inputs` must be a string or a list of strings", "inputs")
+    out = await gw.backend.tokenize(model, read_strings(texts, "inputs", "text", model.text_limits()),
+                                    body.get("prompt_name", str), body.get("add_special_tokens", bool, True))
+    tokens = [{"id": int(i), "text": piece.decode("utf-8"), "special": bool(start < 0),
+               "start": None if start < 0 else int(start), "stop": None if start < 0 else int(stop)}
+              for i, piece, (start, stop) in zip(out.ids, out.pieces, out.offsets)]
+    ends = np.cumsum(out.lengths)
+    return [tokens[end - n:end] for n, end in zip(out.lengths.tolist(), ends.tolist())]
 
 
 async def info(gw: Gateway, request: Request) -> dict[str, Any]:
