@@ -12,7 +12,7 @@ matmul each. What differs from Qwen3, as HF computes it:
 
 The ragged kernels take no window. A sliding layer runs on them when no sequence of the step is
 longer than the window (then the window excludes nothing), and otherwise pads the step and calls
-SDPA with the band as a mask (models/mpnet.PaddedLayout); in a CUDA-graph step the longest
+SDPA with the band as a mask (models/padded.py); in a CUDA-graph step the longest
 sequence is unknown, so graph steps of more tokens than the window take the padded path too. On
 the GPU a window in the kernel would do this without padding: FlashAttention's
 `window_size=(w - 1, w - 1)`, FlashInfer's `window_left` (causal only), or pergola's Triton kernel
@@ -32,7 +32,7 @@ from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import split_qkv
 from pergola.layers.linear import Linear, MergedLinear
 from pergola.models import Model
-from pergola.models.mpnet import PaddedLayout
+from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import Qwen3Model, RotaryEmbedding, apply_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -104,33 +104,6 @@ class Gemma3Attention(nn.Module):
         else:
             out = attn(q, k, v, meta)
         return self.o_proj(out.reshape(t, -1))
-
-
-class BandAttention:
-    """Sliding-window attention of one step over a padded grid (SDPA with a band mask). Made per
-    forward; the layout and the mask are built at the first sliding layer that needs them and
-    shared by the others."""
-
-    def __init__(self, meta: AttentionMetadata, positions: torch.Tensor, longest: int) -> None:
-        self.meta, self.positions = meta, positions
-        self.longest = min(meta.max_seqlen, longest)  # longest: the position table, a bound in graph steps
-        self._built: tuple[PaddedLayout, torch.Tensor] | None = None
-        self._window = 0
-
-    def _build(self, window: int) -> tuple[PaddedLayout, torch.Tensor]:
-        if self._built is None or self._window != window:
-            layout = PaddedLayout(self.meta, self.positions, self.longest)
-            cols = torch.arange(layout.longest, device=self.positions.device)
-            distance = cols[:, None] - cols[None, :]  # [L, L] query - key
-            band = (distance >= 0) & (distance < window) if self.meta.causal else distance.abs() < window
-            self._built, self._window = (layout, band[None, None] & layout.key_mask), window  # mask [B, 1, L, L]
-        return self._built
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-        layout, mask = self._build(window)
-        out = F.scaled_dot_product_attention(layout.pad(q), layout.pad(k), layout.pad(v), attn_mask=mask,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return layout.unpad(out)
 
 
 class Gemma3MLP(nn.Module):

@@ -28,6 +28,7 @@ from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
 from pergola.models import Model
 from pergola.models.bert import BertLayer, roberta_positions
+from pergola.models.padded import PaddedLayout
 
 PADDING_IDX = 1  # fixed in HF's MPNetEmbeddings, whatever the config's pad_token_id
 
@@ -44,34 +45,6 @@ def relative_position_bucket(relative: torch.Tensor, num_buckets: int = 32, max_
                          * (half - max_exact)).to(torch.long)
     large = torch.clamp(large, max=half - 1)
     return ret + torch.where(n < max_exact, n, large)
-
-
-class PaddedLayout:
-    """Where each ragged token sits in a [num_seqs, L] grid, and which keys are real, for one step.
-
-    Built on the device from cu_seqlens and the tokens' positions (no host sync). A CUDA-graph
-    bucket's padding sequence may be longer than L: its tokens all land in column 0 (duplicates;
-    its rows are never read)."""
-
-    def __init__(self, meta: AttentionMetadata, positions: torch.Tensor, longest: int) -> None:
-        cu = meta.cu_seqlens.long()
-        num_seqs, t = cu.numel() - 1, positions.shape[0]
-        tokens = torch.arange(t, device=positions.device)
-        seq = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=num_seqs - 1)  # [T]
-        column = torch.where(positions < longest, positions, torch.zeros_like(positions))
-        self.num_seqs, self.longest = num_seqs, longest
-        self.index = seq * longest + column  # [T] into the flattened [num_seqs * L] grid
-        lengths = cu[1:] - cu[:-1]
-        cols = torch.arange(longest, device=positions.device)
-        self.key_mask = (cols[None, :] < lengths[:, None]).view(num_seqs, 1, 1, longest)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
-        grid = x.new_zeros(self.num_seqs * self.longest, x.shape[1], x.shape[2])
-        grid.index_copy_(0, self.index, x)
-        return grid.view(self.num_seqs, self.longest, x.shape[1], x.shape[2]).transpose(1, 2)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [T, H, D]
-        return x.transpose(1, 2).reshape(self.num_seqs * self.longest, x.shape[1], x.shape[3])[self.index]
 
 
 class MPNetSelfAttention(nn.Module):
