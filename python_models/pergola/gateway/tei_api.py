@@ -50,17 +50,23 @@ def _too_long(e: TooLong, field: str) -> GatewayError:
                         field)
 
 
-async def embed(gw: Gateway, request: Request) -> Any:
+async def _inputs(gw: Gateway, request: Request) -> tuple[Body, ServedModel, list[str]]:
+    """An embedding model's body: the body, the model it names, its `inputs` checked against the limits."""
     body = await read_body(request, gw.opts.max_body_bytes)
     model = await gw.model(body.get("model", str), "embed")
     raw = body.get("inputs", (str, list), required=True)
     texts = [raw] if isinstance(raw, str) else raw
     if not all(isinstance(t, str) for t in texts):
         raise GatewayError(422, "`inputs` must be a string or a list of strings", "inputs")
+    return body, model, read_strings(texts, "inputs", "text", model.text_limits())
+
+
+async def embed(gw: Gateway, request: Request) -> Any:
+    body, model, texts = await _inputs(gw, request)
     opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.positive("dimensions"),
                         normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
     try:
-        out = await gw.backend.embed(model, read_strings(texts, "inputs", "text", model.text_limits()), opts)
+        out = await gw.backend.embed(model, texts, opts)
     except TooLong as e:
         raise _too_long(e, "inputs") from None
     return JSONResponse(out.vectors, headers={"x-total-tokens": str(int(out.tokens.sum()))})
@@ -101,14 +107,9 @@ async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
 async def tokenize(gw: Gateway, request: Request) -> list[list[dict[str, Any]]]:
     """TEI's /tokenize: each input's tokens as the served model's tokenizer makes them (its
     prompt first, untruncated): {id, text, special, start, stop}, offsets in characters."""
-    body = await read_body(request, gw.opts.max_body_bytes)
-    model = await gw.model(body.get("model", str), "embed")
-    raw = body.get("inputs", (str, list), required=True)
-    texts = [raw] if isinstance(raw, str) else raw
-    if not all(isinstance(t, str) for t in texts):
-        raise GatewayError(422, "`inputs` must be a string or a list of strings", "inputs")
-    out = await gw.backend.tokenize(model, read_strings(texts, "inputs", "text", model.text_limits()),
-                                    body.get("prompt_name", str), body.get("add_special_tokens", bool, True))
+    body, model, texts = await _inputs(gw, request)
+    out = await gw.backend.tokenize(model, texts, body.get("prompt_name", str),
+                                    body.get("add_special_tokens", bool, True))
     tokens = [{"id": int(i), "text": piece.decode("utf-8"), "special": bool(start < 0),
                "start": None if start < 0 else int(start), "stop": None if start < 0 else int(stop)}
               for i, piece, (start, stop) in zip(out.ids, out.pieces, out.offsets)]
