@@ -1,12 +1,15 @@
-"""One `pergola serve --model mini=ORG/NAME` from an offline Hugging Face cache (HF_HUB_OFFLINE=1):
-it answers, /info names the Hub id and commit, and the documented metrics (README: Metrics)
-appear on Triton's port and the gateway's /metrics and move by what the requests did."""
+"""One `pergola serve --model mini=ORG/NAME --otlp-endpoint URL` from an offline Hugging Face cache
+(HF_HUB_OFFLINE=1): it answers, /info names the Hub id and commit, the documented metrics (README:
+Metrics) appear on Triton's port and the gateway's /metrics and move by what the requests did,
+and a caller's trace id sent through the gateway reaches the OTLP collector in Triton's spans."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -36,20 +39,66 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     return out
 
 
+def settled(url: str, until=lambda samples: True, timeout: float = 20) -> dict:
+    """A scrape once `until` holds and pergola's series stopped moving (two scrapes 0.3 s apart
+    agree): the encoder sends its series one after another once it has answered, so a scrape
+    may fall between two of them."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        samples = {k: v for k, v in scrape(url).items()
+                   if k[0].startswith("pergola_") and ("route", "/metrics") not in k[1]}  # (scrapes move)
+        if samples == last and until(samples):
+            return samples
+        assert time.monotonic() < deadline, "pergola's metrics did not settle"
+        last = samples
+        time.sleep(0.3)
+
+
 def value(samples: dict, name: str, **labels: str) -> float:
     """The sum over the series of `name` whose labels include `labels` (0 if none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
-def post(url: str, body: object) -> tuple[object, dict]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+def post(url: str, body: object, headers: dict[str, str] | None = None) -> tuple[object, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json",
+                                                                     **(headers or {})})
     with urllib.request.urlopen(request, timeout=60) as r:
         return json.load(r), dict(r.headers)
 
 
+class Collector(ThreadingHTTPServer):
+    """An OTLP/HTTP trace collector that keeps the bodies POSTed to /v1/traces (protobuf)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(handler) -> None:  # noqa: N802, N805 - http.server's names
+                body = handler.rfile.read(int(handler.headers.get("content-length", 0)))
+                if handler.path == "/v1/traces":
+                    self.bodies.append(body)
+                handler.send_response(200)
+                handler.send_header("content-type", "application/x-protobuf")
+                handler.send_header("content-length", "0")
+                handler.end_headers()
+
+            def log_message(handler, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+def collector():
+    server = Collector()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, collector: Collector):
     from conftest import start_serve
 
     root = tmp_path_factory.mktemp("hub-serve")
@@ -57,7 +106,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
     with pytest.MonkeyPatch.context() as env:  # what the server process inherits
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("HF_HUB_CACHE", str(root / "hf-cache"))
-        process = start_serve(root, f"mini={REPO_ID}", "--metrics-flush-s", "0")
+        process = start_serve(root, f"mini={REPO_ID}", "--metrics-flush-s", "0", "--otlp-endpoint",
+                              f"http://127.0.0.1:{collector.server_address[1]}/v1/traces")
     try:
         base = process.wait_gateway()
         yield process, base, f"http://127.0.0.1:{process.metrics}/metrics"
@@ -77,7 +127,7 @@ def test_a_hub_id_is_served_from_the_offline_cache(served, st_model):
 
 def test_metrics_have_their_names_and_move_by_what_the_requests_did(served):
     process, base, triton_url = served
-    before, gateway_before = scrape(triton_url), scrape(f"{base}/metrics")
+    before, gateway_before = settled(triton_url), settled(f"{base}/metrics")
     tokens = 0
     for _ in range(REQUESTS):
         _, headers = post(f"{base}/embed", {"inputs": TEXTS, "model": "mini"})
@@ -88,13 +138,7 @@ def test_metrics_have_their_names_and_move_by_what_the_requests_did(served):
     def moved(samples: dict, name: str, **labels: str) -> float:
         return value(samples, name, **labels) - value(before, name, **labels)
 
-    deadline = time.monotonic() + 20
-    while True:  # the encoder flushes right after answering: its counts may trail the answer
-        after = scrape(triton_url)
-        if moved(after, "pergola_queue_wait_seconds_count", model="mini_encoder") >= REQUESTS:
-            break
-        assert time.monotonic() < deadline, "the encoder's histograms did not move"
-        time.sleep(0.2)
+    after = settled(triton_url, lambda s: moved(s, "pergola_requests_total", model="mini_encoder") >= REQUESTS)
     assert moved(after, "pergola_tokenize_seconds_count", model="mini_tokenizer") == REQUESTS
     assert moved(after, "pergola_tokenize_seconds_sum", model="mini_tokenizer") > 0
     assert moved(after, "pergola_queue_wait_seconds_count", model="mini_encoder") == REQUESTS
@@ -110,10 +154,65 @@ def test_metrics_have_their_names_and_move_by_what_the_requests_did(served):
         assert buckets[-1] == (float("inf"), value(after, f"{name}_count", model="mini_encoder"))
     assert value(after, "pergola_info", model="mini_encoder", hub_id=REPO_ID, revision=MAIN, dtype="float32") == 1
 
-    gateway = scrape(f"{base}/metrics")
+    gateway = settled(f"{base}/metrics")
     assert value(gateway, "pergola_gateway_requests_total", route="/embed", status="200") - \
         value(gateway_before, "pergola_gateway_requests_total", route="/embed", status="200") == REQUESTS
     assert value(gateway, "pergola_gateway_request_duration_seconds_count", route="/embed") - \
         value(gateway_before, "pergola_gateway_request_duration_seconds_count", route="/embed") == REQUESTS
     assert value(gateway, "pergola_gateway_requests_total", route="other", status="404") >= 1
     assert value(gateway, "pergola_gateway_requests_in_flight") == 1  # the scrape itself
+
+
+def spans(bodies: list[bytes]) -> list[tuple[str, dict]]:
+    """(service.name, span) of every span exported (Triton 2.51 sends OTLP/HTTP as JSON)."""
+    out = []
+    for body in bodies:
+        for resource in json.loads(body)["resourceSpans"]:
+            attrs = {a["key"]: a["value"].get("stringValue") for a in resource["resource"]["attributes"]}
+            out += [(attrs.get("service.name"), span) for scope in resource["scopeSpans"] for span in scope["spans"]]
+    return out
+
+
+def test_a_callers_trace_id_reaches_tritons_spans_through_the_gateway(served, collector):
+    _, base, _ = served
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    post(f"{base}/embed", {"inputs": TEXTS, "model": "mini"}, {"traceparent": f"00-{trace_id}-{span_id}-01"})
+    deadline = time.monotonic() + 30  # Triton's exporter sends its batch every 5 s
+    while not (ours := [(service, span) for service, span in spans(collector.bodies)
+                        if span["traceId"].lower() == trace_id]):
+        assert time.monotonic() < deadline, f"no span of trace {trace_id} in {len(collector.bodies)} exports"
+        time.sleep(0.5)
+    assert {service for service, _ in ours} == {"pergola"}
+    assert any(span.get("parentSpanId", "").lower() == span_id for _, span in ours)  # the caller's span
+
+
+def test_the_gateway_forwards_only_a_well_formed_traceparent():
+    import asyncio
+
+    from pergola.gateway.tracing import TraceContext, with_trace
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(with_trace({"x": "1"}))
+
+    good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    for header, forwarded in ((good, good), (good.upper(), good), ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", None),
+                              ("garbage", None), (None, None)):
+        headers = [(b"traceparent", header.encode())] if header else []
+        asyncio.run(TraceContext(app)({"type": "http", "headers": headers}, None, None))
+        assert seen[-1] == ({"x": "1", "traceparent": forwarded} if forwarded else {"x": "1"})
+    assert with_trace(None) is None  # outside a request
+
+
+def test_otlp_endpoint_becomes_tritons_trace_flags_and_a_bad_one_is_refused():
+    from pergola.server import ServerOptions, trace_flags
+
+    opts = ServerOptions(repo=Path("."), otlp_endpoint="http://otel:4318/v1/traces", trace_rate=10)
+    assert trace_flags(opts)[:2] == ["--trace-config=mode=opentelemetry",
+                                     "--trace-config=opentelemetry,url=http://otel:4318/v1/traces"]
+    assert "--trace-config=rate=10" in trace_flags(opts) and trace_flags(ServerOptions(repo=Path("."))) == []
+    with pytest.raises(ValueError, match="--otlp-endpoint must be the http"):
+        ServerOptions(repo=Path("."), otlp_endpoint="otel:4318")
+    with pytest.raises(ValueError, match="--trace-rate must be at least 1"):
+        ServerOptions(repo=Path("."), otlp_endpoint="http://otel:4318/v1/traces", trace_rate=0)

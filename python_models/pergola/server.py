@@ -115,12 +115,24 @@ class ServerOptions:
                                                 "trace and shared-memory APIs require; not set: a new random "
                                                 "token in REPO/.admin-token (mode 0600) at every start", metavar="FILE")
     log_verbose: int = option(0, "tritonserver's verbose log level (0: off)")
+    otlp_endpoint: str | None = option(None, "OTLP/HTTP collector that Triton sends a trace of each request to "
+                                             "(its --trace-config mode=opentelemetry); a `traceparent` header "
+                                             "on the request, or on the gateway's, joins the caller's trace",
+                                       metavar="http://HOST:4318/v1/traces")
+    trace_rate: int = option(1, "with --otlp-endpoint: trace one request in this many")
     shm_bytes: int = option(8 << 20, "Python backend shared-memory arena per model instance, grown by as much")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     api_key: str | None = None  # inference needs it too (the gateway's first --api-key)
     extra: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", self.otlp_endpoint):
+            raise ValueError(f"--otlp-endpoint must be the http(s) URL of an OTLP/HTTP collector "
+                             f"(http://HOST:4318/v1/traces), got {self.otlp_endpoint!r}")
+        if self.trace_rate < 1:
+            raise ValueError(f"--trace-rate must be at least 1, got {self.trace_rate}")
 
     @property
     def local_host(self) -> str:
@@ -146,8 +158,19 @@ def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
         "--strict-readiness=true",
         *restricted_api_flags(opts.admin_token, opts.api_key),
         *(["--load-model=*"] if opts.model_control == "explicit" else []),
+        *trace_flags(opts),
         *opts.extra,
     ]
+
+
+def trace_flags(opts: ServerOptions) -> list[str]:
+    """Triton's OpenTelemetry tracing toward --otlp-endpoint: TIMESTAMPS spans of every
+    `trace_rate`-th request (queue, compute input/infer/output, per model of the ensemble)."""
+    if not opts.otlp_endpoint:
+        return []
+    return ["--trace-config=mode=opentelemetry", f"--trace-config=opentelemetry,url={opts.otlp_endpoint}",
+            "--trace-config=opentelemetry,resource=service.name=pergola", f"--trace-config=rate={opts.trace_rate}",
+            "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1"]
 
 
 def free_port() -> int:

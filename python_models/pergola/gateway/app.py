@@ -17,7 +17,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import metrics, openai_api, rerank_api, tei_api
+from pergola.gateway import metrics, openai_api, rerank_api, tei_api, tracing
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys
@@ -59,8 +59,9 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/info", "tei", tei_api.info, "GET"),
         Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
     ]
-    return Starlette(routes=routes + [metrics.route()], lifespan=lifespan,  # gateway/metrics.py
-                     middleware=[Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH])])
+    middleware = [Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH]),
+                  Middleware(tracing.TraceContext)]  # gateway/metrics.py, gateway/tracing.py
+    return Starlette(routes=routes + [metrics.route()], lifespan=lifespan, middleware=middleware)
 
 
 def create_app() -> Starlette:
