@@ -31,6 +31,7 @@ from bench_server import NAME, grpc_client, infer_text, infer_tokens, run_client
 from bench_server import run_throughput  # noqa: E402
 from common import model_folder, percentiles, time_latency, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
+from mixed import QUERY  # noqa: E402
 
 from pergola.gateway.app import spawn  # noqa: E402
 from pergola.gateway.options import GatewayOptions  # noqa: E402
@@ -38,7 +39,6 @@ from pergola.hf_folder import load_model_spec  # noqa: E402
 from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
 from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
-QUERY = "how do I read a file line by line in python"
 
 
 class Gateway:
@@ -48,9 +48,16 @@ class Gateway:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
 
     def embed(self, inputs: object, base64_out: bool = False) -> np.ndarray:
-        body = {"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {})
-        self.conn.request("POST", "/v1/embeddings", json.dumps(body), {"Content-Type": "application/json"})
-        response = self.conn.getresponse()
+        body = json.dumps({"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {}))
+        for attempt in range(2):  # uvicorn closes keep-alive connections idle for 5 s: reconnect once
+            try:
+                self.conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+                response = self.conn.getresponse()
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.conn.close()
+                if attempt:
+                    raise
         out = json.loads(response.read())
         if response.status != 200:
             raise RuntimeError(f"gateway answered {response.status}: {out}")

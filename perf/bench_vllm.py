@@ -61,6 +61,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Self
 
@@ -85,7 +86,8 @@ RERANK_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
                     "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
 # Per suite (every model's inproc and server alike), start-up included; a suite past its limit is killed
 # with its engine and server.
-TIMEOUT_S = {"reference": 240, "inproc": 240, "server": 360, "scoring_inproc": 180, "scoring_server": 240}
+TIMEOUT_S = {"reference": 240, "inproc": 240, "server": 360, "scoring_inproc": 180, "scoring_server": 240,
+             "mixed": 420}
 # Plan fields of the embedding models other than Qwen3 (whose are Plan's defaults): MiniLM as
 # bench_server.py runs it (concurrency texts of 128 tokens) and the longest input vLLM may take for it,
 # sentence_bert_config.json's max_seq_length, which vLLM also takes as the model's limit.
@@ -185,8 +187,9 @@ class Run:
         return self.embed_folders[self.embed_model]
 
     def embed_models(self) -> list[str]:
-        """The models whose inproc or server suite is to run."""
-        return [m for m in MODELS if any(keyed(b, m) in self.suites for b in EMBED_SUITES)]
+        """The models whose inproc, server or mixed suite is to run (mixed: Qwen3's only)."""
+        return [m for m in MODELS if any(keyed(b, m) in self.suites for b in EMBED_SUITES)
+                or (m == MODELS[0] and "mixed" in self.suites)]
 
     def engine_args(self) -> dict[str, Any]:
         """LLM(...) keywords; VllmServer passes the same as flags."""
@@ -585,8 +588,48 @@ def suite_scoring_server(run: Run, res: dict) -> None:
         _scoring(run, res, "scoring_server", ref, HttpClient(server.host, server.port).classify_ids)
 
 
+# --- mixed traffic: perf/mixed.py's driver against vLLM's server (bench_mixed.py runs pergola's) --------
+def vllm_ids_sender(host: str, port: int) -> Callable[[list[np.ndarray]], np.ndarray]:
+    return HttpClient(host, port).embed_ids
+
+
+def vllm_text_sender(host: str, port: int) -> Callable[[list[str]], np.ndarray]:
+    return HttpClient(host, port).embed
+
+
+def _vllm_query(host: str, port: int, payload: list) -> Callable[[], np.ndarray]:
+    client = HttpClient(host, port)
+    return lambda: client.embed(payload)
+
+
+def suite_mixed(run: Run, res: dict) -> None:
+    """Sequential batch-1 queries (128 token ids, a short text) while 4 processes send bulk work."""
+    import mixed
+
+    windows = TokenWindows(load_model_spec(run.embed_folder).tokenizer_file)
+    if run.dry_run:
+        res["skipped"] = "dry run: no vLLM server"
+        return
+    n = run.plan.latency_n * 3
+    with VllmServer(run.embed_folder, run, Path(run.workdir) / "vllm_mixed.log") as server:
+        res["server_command"] = " ".join(server.cmd)
+        endpoint = (server.host, server.port)
+        kinds = {"http_ids_128": partial(_vllm_query, *endpoint, [windows.ids(128, 1, seed=128)[0].tolist()]),
+                 "http_text": partial(_vllm_query, *endpoint, [mixed.QUERY])}
+        res["idle"] = mixed.idle_latency(kinds, n)
+        say("mixed", "idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()))
+        res["loads"] = {}
+        for load in mixed.LOADS:
+            say("mixed", f"{load}:")
+            how, batches = mixed.bulk_batches(windows, load, 4)
+            sender = vllm_ids_sender if how == "ids" else vllm_text_sender
+            row = res["loads"][load] = mixed.run_load(kinds, sender, endpoint, batches, n=n,
+                                                      log=lambda m: say("mixed", m))
+            row["goal"] = mixed.verdict(res["idle"], row["loaded"], row["bulk_kept"])
+
+
 SUITES: dict[str, Callable[[Run, dict], None]] = {
-    "reference": suite_reference, "inproc": suite_inproc, "server": suite_server,
+    "reference": suite_reference, "inproc": suite_inproc, "server": suite_server, "mixed": suite_mixed,
     "scoring_inproc": suite_scoring_inproc, "scoring_server": suite_scoring_server,
 }
 
@@ -708,7 +751,7 @@ def write_json(path: Path, results: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suites", nargs="+", default=["inproc", "server", "scoring"],
-                   choices=["inproc", "server", "scoring"])
+                   choices=["inproc", "server", "scoring", "mixed"])
     p.add_argument("--models", nargs="+", default=[MODELS[0]], choices=MODELS,
                    help="embedding models of the inproc and server suites (scoring is Qwen3-Reranker's); "
                         f"MiniLM's results go to suites.inproc_minilm and suites.server_minilm (default {MODELS[0]})")
@@ -737,7 +780,10 @@ def main() -> None:
                          "first, or pass --vllm-site '' if vllm is importable as it is")
     embed = [b for b in EMBED_SUITES if b in args.suites and not (b == "server" and args.skip_server)]
     # Qwen3's embedding suites, scoring, then the other models' (what plot_results.py reads comes first).
-    names = ["reference"] + [keyed(b, MODELS[0]) for b in embed if MODELS[0] in args.models]
+    # (the mixed suite checks nothing against the reference: run alone, it needs none)
+    names = ([] if set(args.suites) == {"mixed"} else ["reference"])
+    names += [keyed(b, MODELS[0]) for b in embed if MODELS[0] in args.models]
+    names += ["mixed"] if "mixed" in args.suites else []
     if "scoring" in args.suites:
         names += ["scoring_inproc"] + ([] if args.skip_server else ["scoring_server"])
     names += [keyed(b, m) for m in MODELS[1:] if m in args.models for b in embed]
@@ -749,13 +795,13 @@ def main() -> None:
     t0 = time.perf_counter()
     run = Run(workdir=str(workdir), plan=plan, embed_folders={}, rerank_folder="", dry_run=args.dry_run,
               gpu_memory_utilization=args.gpu_memory_utilization, scoring_inputs=args.scoring_inputs,
-              suites=tuple(names[1:]))
+              suites=tuple([n for n in names if n != "reference"]))
     folders = {m: str(model_folder(plan.for_model(m, args.dry_run).embed_model, workdir)) for m in run.embed_models()}
     rerank_folder = str(model_folder(plan.rerank_model, workdir)) if "scoring" in args.suites else ""
     run = replace(run, embed_folders=folders, rerank_folder=rerank_folder)
     for m in run.embed_models():
         check_lengths(run.for_model(m))
-    print(f"bench_vllm: folders ready in {time.perf_counter() - t0:.0f} s; suites: {' '.join(names[1:])}", flush=True)
+    print(f"bench_vllm: folders ready in {time.perf_counter() - t0:.0f} s; suites: {' '.join(run.suites)}", flush=True)
     run.save()
     (workdir / "reference.npz").unlink(missing_ok=True)  # never check against an earlier run's
 

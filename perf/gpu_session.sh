@@ -3,7 +3,7 @@
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
-#                                              # tests hardening gateway engine server scoring vllm vllm_inproc minilm
+#                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -56,6 +56,11 @@ for step in "$@"; do
       run soak python3 perf/soak.py --repo /tmp/grepo --minutes "${SOAK_MINUTES:-5}" --clients 8 --every 15 \
         --out "$OUT/soak_gpu.json"
       kill -TERM "$local_pid"; wait "$local_pid"; echo "pergola serve exit: $?" | tee -a "$OUT/soak.log" ;;
+    mixed)  # queries under bulk load, fifth suite: the query lane, then one lane (query_tokens=0), then vLLM
+      run mixed python3 perf/bench_mixed.py --out "$OUT/mixed.json"
+      run mixed_one_lane python3 perf/bench_mixed.py --option query_tokens=0 --out "$OUT/mixed_one_lane.json" ;;
+    vllm_mixed)  # vLLM 0.22's server under the same mixed traffic (scripts/vllm_setup.sh first)
+      run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
       run gateway python3 perf/bench_gateway.py --model qwen3-0.6b --out "$OUT/gateway.json" ;;
     engine)  # engine level: start-up probe's choice vs each kernel / cuBLAS forced (Qwen3), MiniLM as chosen

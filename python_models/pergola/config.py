@@ -34,6 +34,10 @@ class EngineConfig:
     max_batch_tokens: int = option(0, "token budget of one forward step; 0: 16384 on a GPU, 1024 on a CPU, where "
                                       "larger steps are slower per token (all-MiniLM-L6-v2 on one core: 2,848 "
                                       "tokens/s at 1,024, 2,218 at 16,384) and hold a query up for seconds")
+    query_tokens: int = option(2048, "requests of at most this many tokens (queries) take a lane of their own: "
+                                     "their steps hold no bulk work and run between the layers of a large "
+                                     "step in flight, so a query waits about one layer, not a whole step "
+                                     "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
     max_texts: int = option(1024, "most texts in one embedding request")
     max_documents: int = option(1024, "most documents in one rerank request")
@@ -80,6 +84,8 @@ class EngineConfig:
         for name in ("attention_backend", "eager_attention_backend"):
             if getattr(self, name) not in ATTENTION_BACKENDS:
                 raise ValueError(f"{name} must be one of {ATTENTION_BACKENDS}, got {getattr(self, name)!r}")
+        if self.query_tokens < 0:
+            raise ValueError(f"query_tokens must be 0 (off) or positive, got {self.query_tokens}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
         for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",

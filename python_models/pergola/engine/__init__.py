@@ -94,9 +94,11 @@ class Engine:
                 else requests[s.request].token_types[s.start:s.start + s.length] for s in step.seqs])
         return ids, lengths, skips, types
 
-    def launch(self, step: Step, requests: Mapping[Hashable, EncodeRequest]) -> LazyTensor:
-        """Start one step on the device and return without waiting (LazyTensor)."""
-        lazy = self.runner.step(*self._gather(requests, step))
+    def launch(self, step: Step, requests: Mapping[Hashable, EncodeRequest], lane: int = 0,
+               hooked: bool = False) -> LazyTensor:
+        """Start one step on the device and return without waiting (LazyTensor). `lane` and
+        `hooked`: see ModelRunner.step (the encode loop's query lane)."""
+        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked)
         self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
                           **{f"steps_{self.runner.last_mode}": 1})
         return lazy

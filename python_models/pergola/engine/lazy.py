@@ -24,6 +24,10 @@ class LazyTensor:
         self._event = torch.cuda.Event()
         self._event.record()
 
+    def ready(self) -> bool:
+        """True once the result is on the host (never blocks)."""
+        return self._event is None or self._event.query()
+
     def wait(self) -> np.ndarray:
         """Block until the copy has landed; returns a view of the host buffer (copy it to keep it)."""
         if self._event is not None:

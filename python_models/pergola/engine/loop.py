@@ -25,10 +25,13 @@ import numpy as np
 
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.lazy import LazyTensor
-from pergola.engine.scheduler import Step
+from pergola.engine.scheduler import LaneQueue, Step
 from pergola.memory import HeapTrimmer
 
 CANCEL_CHECK_S = 0.05  # how often a queued request's "client gone?" is asked (an IPC to the server)
+# Layers the host may launch ahead of the device in a bulk step while queries are served between
+# layers: a query's step waits for about this many layers (~1 ms each at 16k tokens on the H200).
+LAYERS_AHEAD = 1
 
 
 class Overloaded(RuntimeError):
@@ -95,7 +98,13 @@ class EncodeLoop:
         self.on_fatal = on_fatal or (lambda e: False)
         self.throughput = Throughput()
         self.completed: list[Job] = []  # the jobs the latest step finished
-        self._queue = engine.new_queue()
+        cfg = engine.cfg
+        self._queue = LaneQueue(cfg.step_tokens, cfg.max_batch_seqs, cfg.query_tokens)
+        # Queries' steps in flight beside the main pipeline, oldest first (at most two: their lane
+        # has two result buffers), and the events that keep the host close behind the device.
+        self._side: deque[tuple[Step, LazyTensor]] = deque()
+        self._layer_events: deque = deque()
+        self._query_last = False  # the last step the loop itself picked was a queries' step
         self._jobs: dict[int, Job] = {}
         self._keys = itertools.count()
         self._cond = threading.Condition()
@@ -105,6 +114,8 @@ class EncodeLoop:
         # and when the queue runs dry (pergola/memory.py); a token counts as 4 KB of churn.
         self._trimmer = HeapTrimmer(every_bytes=256 << 20, every_s=10.0)
         self._measure()
+        if cfg.query_tokens:
+            engine.runner.layer_hook = self._between_layers
         self._thread = threading.Thread(target=self._run, name="pergola-encode-loop", daemon=True)
         self._thread.start()
 
@@ -175,24 +186,25 @@ class EncodeLoop:
             return bool(self._queue) or self._stopping
 
         while True:
-            if inflight is None and not self._wait(woken, timeout=1.0):
+            if inflight is None and not self._side and not self._wait(woken, timeout=1.0):
                 self._trimmer.now()  # idle for a second: give the heap back, tell the metrics
                 self.on_idle()
                 self._wait(woken)
             with self._cond:
-                if self._stopping and inflight is None:
+                if self._stopping and inflight is None and not self._side:
                     leftover = list(self._jobs.values())
                     self._jobs.clear()
                     break
                 gone = [] if self._stopping else self._expire()
-                step = None if self._stopping else self._queue.next_step()
-                requests = {s.request: self._jobs[s.request].request for s in step.seqs} if step else {}
-                for key in requests:
-                    self._jobs[key].started_at = self._jobs[key].started_at or time.perf_counter()
+                step = None if self._stopping else self._pick()
+                requests = self._requests_of(step)
             for job, error in gone:
                 job.fail(error)
+            if step is not None and step.lane == 1:
+                self._launch_query(step, requests)
+                continue
             try:
-                launched = (step, self.engine.launch(step, requests)) if step else None
+                launched = (step, self._launch(step, requests)) if step else None
                 if inflight is not None:
                     self._collect(*inflight)
             except Exception as e:  # noqa: BLE001 - fail the steps' requests, keep serving
@@ -200,8 +212,78 @@ class EncodeLoop:
                     return
                 launched = None
             inflight = launched
+            self._collect_queries(block=inflight is None)
         for job in leftover:
             job.fail(Unloading("the model was unloaded before this request was computed; retry"))
+
+    def _pick(self) -> Step | None:
+        """The next step (lock held): queries' first, but never twice in a row while bulk work
+        waits (more queries run between its layers), nor with two queries' steps in flight."""
+        queue = self._queue
+        take_query = queue.has_queries and len(self._side) < 2 and not (self._query_last and queue.bulk)
+        if not take_query and queue.has_queries and not queue.bulk:
+            return None  # only queries, two in flight: collect one first
+        self._query_last = take_query
+        return queue.next_query_step() if take_query else queue.bulk.next_step()
+
+    def _requests_of(self, step: Step | None) -> dict:
+        """The step's requests by key; marks when each started (called with the lock held)."""
+        if step is None:
+            return {}
+        requests = {s.request: self._jobs[s.request].request for s in step.seqs}
+        for key in requests:
+            self._jobs[key].started_at = self._jobs[key].started_at or time.perf_counter()
+        return requests
+
+    def _launch(self, step: Step, requests: dict) -> LazyTensor:
+        """A bulk step: queries may be served between its layers (`_between_layers`)."""
+        self._layer_events.clear()
+        return self.engine.launch(step, requests, hooked=True)
+
+    # --- the query lane ---------------------------------------------------------------
+    def _launch_query(self, step: Step, requests: dict) -> None:
+        """Launch a queries' step on the runner's query lane, beside the main pipeline; it is
+        collected as soon as it is done (`_collect_queries`), not behind the bulk step."""
+        try:
+            self._side.append((step, self.engine.launch(step, requests, lane=self.engine.runner.query_lane)))
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+            if self._failed(e, [step]):
+                raise
+
+    def _collect_queries(self, block: bool = False) -> None:
+        """Deliver the queries' steps that are done (all of them, waiting, when `block`)."""
+        while self._side and (block or self._side[0][1].ready()):
+            step, lazy = self._side.popleft()
+            try:
+                self._collect(step, lazy)
+            except Exception as e:  # noqa: BLE001
+                self._failed(e, [step])
+
+    def _between_layers(self) -> None:
+        """Called by the runner after each layer of a bulk step (launched, not yet run).
+
+        Keeps the host at most LAYERS_AHEAD layers ahead of the device, so that a query's step
+        launched here runs after about that many layers instead of after the whole bulk step;
+        delivers the queries' steps that are done, and launches the next one (one at a time,
+        and at most one per bulk layer, so queries cannot starve bulk work)."""
+        if self._side:
+            self._collect_queries(block=True)  # launched a layer ago: it is next on the device
+        elif self.engine.device.type == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+            self._layer_events.append(event)
+            if len(self._layer_events) > LAYERS_AHEAD:
+                self._layer_events.popleft().synchronize()
+        if not self._queue.has_queries or self._stopping:
+            return
+        with self._cond:
+            step = self._queue.next_query_step()
+            requests = self._requests_of(step)
+        if step is not None:
+            self._launch_query(step, requests)
+            self._collect_queries()  # on a CPU it is done already
 
     def _wait(self, woken: Callable[[], bool], timeout: float | None = None) -> bool:
         """Sleep until there is work (or shutdown); False if `timeout` passed first."""

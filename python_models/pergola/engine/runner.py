@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -116,6 +119,21 @@ class StaticBuffers:
                            self.f32[:t], meta)
 
 
+@dataclass
+class Lane:
+    """What one stream of steps needs of its own on a GPU: fixed device buffers, the CUDA graphs
+    captured over them, the pinned result buffers and each graph key's attention plan. Lane 0
+    takes every step; with `query_tokens` set, lane 1 takes queries' small steps, which may run
+    between the layers of a lane-0 step in flight (engine/loop.py), so it must not touch lane 0's
+    buffers. Both lanes run on one stream: their work is ordered on the device."""
+
+    buffers: StaticBuffers
+    graphs: GraphCache | None
+    results: list[torch.Tensor]  # two pinned [max_seqs, out_dim] buffers, used in turn
+    plans: dict[tuple[int, int], object | None]
+    next_result: int = 0
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, device: torch.device) -> None:
         self.spec = spec
@@ -138,26 +156,66 @@ class ModelRunner:
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
         # What a step returns per sequence: the pooled embedding, or a reranker's score(s).
         self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
-        self.buffers: StaticBuffers | None = None
-        self.graphs: GraphCache | None = None
-        self._graph_plans: dict[tuple[int, int], object | None] = {}  # graph key -> its step's attention plan
-        self._result_buffers: list[torch.Tensor] = []
-        self._next_result = 0
+        # Lanes (GPU, ragged backends): 0 for every step, 1 for queries' steps when query_tokens is set.
+        # Padded backends (SDPA: FP32 on a GPU) and the CPU build their own tensors per step.
+        self.lanes: list[Lane] = []
         self.last_mode = "eager"  # what the last step did: eager / warmup / capture / replay
-        if device.type == "cuda":
-            max_seqs = cfg.max_batch_seqs + 1  # + the padding sequence
-            # Two pinned result buffers: step N+1's result lands in one while step N's is read.
-            self._result_buffers = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
-            # Padded backends (SDPA: FP32 on a GPU) build their own index tensors per step.
-            if not self.attn.needs_padding:
-                max_tokens = max(cfg.step_tokens, spec.max_seq_length)
-                self.buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, device)
-                # Graphs only where every graph-step kernel declares itself graph-safe.
-                graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
-                if graph_safe and not cfg.enforce_eager and cfg.cuda_graph_max_tokens > 0:
-                    self.graphs = GraphCache(self._static_forward, min(cfg.cuda_graph_max_tokens, max_tokens),
-                                             max_seqs)
+        self.layer_hook: Callable[[], None] | None = None  # called between the layers of hooked eager steps
+        self._hook_armed = self._in_hook = False
+        self._plain_results: list[torch.Tensor] = []  # a GPU without lanes (padded backends): pinned results
+        if device.type == "cuda" and not self.attn.needs_padding:
+            self.lanes.append(self._lane(max(cfg.step_tokens, spec.max_seq_length), 0))
+            if cfg.query_tokens:
+                self.lanes.append(self._lane(min(cfg.query_tokens, self.lanes[0].buffers.max_tokens), 1))
+        elif device.type == "cuda":
+            self._plain_results = [torch.empty(cfg.max_batch_seqs + 1, self.out_dim, pin_memory=True) for _ in range(2)]
+        self._between_layers_hooks()
         log.info("runner ready: %s", self.startup_line())
+
+    def _lane(self, max_tokens: int, index: int) -> Lane:
+        max_seqs = self.cfg.max_batch_seqs + 1  # + the padding sequence
+        buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, self.device)
+        graphs = None
+        # Graphs only where every graph-step kernel declares itself graph-safe.
+        graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
+        if graph_safe and not self.cfg.enforce_eager and self.cfg.cuda_graph_max_tokens > 0:
+            graphs = GraphCache(partial(self._static_forward, index), min(self.cfg.cuda_graph_max_tokens, max_tokens),
+                                max_seqs)
+        # Two pinned result buffers: step N+1's result lands in one while step N's is read.
+        results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
+        return Lane(buffers, graphs, results, {})
+
+    def _between_layers_hooks(self) -> None:
+        """Call `layer_hook` after each transformer layer of an armed (lane-0 eager) step: the
+        encode loop throttles the host there and slips queries' steps in (engine/loop.py)."""
+        layers = next((m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)
+                       and len(m) == self.spec.hf_config.get("num_hidden_layers")), None)
+        if layers is None:
+            return
+
+        def after(*_) -> None:
+            if self._hook_armed and not self._in_hook and self.layer_hook is not None:
+                self._in_hook = True  # a query's step run from the hook is not hooked in turn
+                try:
+                    self.layer_hook()
+                finally:
+                    self._in_hook = False
+
+        for layer in layers:
+            layer.register_forward_hook(after)
+
+    @property
+    def buffers(self) -> StaticBuffers | None:
+        return self.lanes[0].buffers if self.lanes else None
+
+    @property
+    def graphs(self) -> GraphCache | None:
+        return self.lanes[0].graphs if self.lanes else None
+
+    @property
+    def query_lane(self) -> int:
+        """The lane of queries' steps: 1 when it exists, else 0."""
+        return len(self.lanes) - 1 if self.lanes else 0
 
     def startup_line(self) -> str:
         """'cuda_init 0.16 s, weights 4.41 s, attention_probe 0.96 s': the start-up split, for logs."""
@@ -240,50 +298,70 @@ class ModelRunner:
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
-    def _static_forward(self, s: int, t: int, max_seqlen: int | None = None,
+    def _static_forward(self, lane: int, s: int, t: int, max_seqlen: int | None = None,
                         attn: AttentionBackend | None = None, plan: object | None = None) -> None:
-        """Forward over the static buffers padded to (s, t); writes pooled[:s]. Graph-safe.
+        """Forward over `lane`'s static buffers padded to (s, t); writes pooled[:s]. Graph-safe.
 
-        GraphCache calls it with (s, t) only, to warm up and capture a graph: the kernel of that
-        step size, with the plan step() made for the key (kept by the graph for its replays).
+        GraphCache calls it with (lane, s, t) only, to warm up and capture a graph: the kernel of
+        that step size, with the plan step() made for the key (kept by the graph for its replays).
         """
-        assert self.buffers is not None
+        buffers = self.lanes[lane].buffers
         if attn is None:
-            attn, plan = self.graph_backend(t), self._graph_plans[(s, t)]
+            attn, plan = self.graph_backend(t), self.lanes[lane].plans[(s, t)]
         # In a graph the longest sequence is unknown at capture: t bounds it.
-        b = self.buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan)
-        self.buffers.pooled[:s].copy_(self.forward(b, attn))
+        b = buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan)
+        buffers.pooled[:s].copy_(self.forward(b, attn))
 
-    def _plan(self, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> object | None:
+    def _plan(self, lane: Lane, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> object | None:
         """The step's attention plan, for its metadata: host work once per step (FlashInfer), else None."""
         if not attn.needs_plan:
             return None
-        return attn.plan(self.buffers.cu_seqlens_host, *self.attention_heads(), self.spec.causal, graph_key=graph_key)
+        return attn.plan(lane.buffers.cu_seqlens_host, *self.attention_heads(), self.spec.causal, graph_key=graph_key)
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
-             token_types: np.ndarray | None = None) -> LazyTensor:
-        """Launch one step (forward + pooling + copy to host) and return without waiting."""
-        if self.buffers is None:
-            return self._lazy(self.forward(self.prepare(input_ids, lengths, skips, token_types)))
+             token_types: np.ndarray | None = None, lane: int = 0, hooked: bool = False) -> LazyTensor:
+        """Launch one step (forward + pooling + copy to host) on `lane` and return without waiting.
+        A `hooked` step calls `layer_hook` between its layers when it runs eagerly."""
+        if not self.lanes:
+            with self._armed(hooked):
+                return self._lazy(self.forward(self.prepare(input_ids, lengths, skips, token_types)))
+        ln = self.lanes[lane]
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
-        key = self.graphs.key_for(num_seqs, num_tokens) if self.graphs is not None else None
+        key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None else None
         s, t = key or (num_seqs, num_tokens)
-        self.buffers.fill(input_ids, lengths, skips, token_types, s, t)
+        ln.buffers.fill(input_ids, lengths, skips, token_types, s, t)
         if key is not None:
             # Planned for the key before every run: a replay runs the plan captured with the graph,
-            # which the backend has just re-planned in place (FlashInfer: the key's own wrapper).
-            self._graph_plans[key] = self._plan(self.graph_backend(t), graph_key=key)
-            self.last_mode = self.graphs.run(key)
+            # which the backend has just re-planned in place (FlashInfer: the key's own wrapper;
+            # both lanes' steps are ordered on one stream, so a re-plan never races a replay).
+            ln.plans[key] = self._plan(ln, self.graph_backend(t), graph_key=key)
+            self.last_mode = ln.graphs.run(key)
         else:
             # Above the graph crossover: eager, with the backend measured fastest for big steps.
-            plan = self._plan(self.eager_attn)
-            self._static_forward(s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan)
+            plan = self._plan(ln, self.eager_attn)
+            with self._armed(hooked):
+                self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan)
             self.last_mode = "eager"
-        return self._lazy(self.buffers.pooled[:num_seqs])
+        return self._lazy(ln.buffers.pooled[:num_seqs], ln)
 
-    def _lazy(self, pooled: torch.Tensor) -> LazyTensor:
+    @contextmanager
+    def _armed(self, on: bool):
+        """Let `layer_hook` run between this step's layers (not inside the hook itself)."""
+        if not on or self.layer_hook is None or self._hook_armed or self._in_hook:
+            yield
+            return
+        self._hook_armed = True
+        try:
+            yield
+        finally:
+            self._hook_armed = False
+
+    def _lazy(self, pooled: torch.Tensor, lane: Lane | None = None) -> LazyTensor:
         if pooled.device.type == "cpu":
             return LazyTensor(pooled)
-        host = self._result_buffers[self._next_result]
-        self._next_result ^= 1
+        if lane is None:  # a GPU without lanes: the plain pair of result buffers
+            self._plain_results.reverse()
+            return LazyTensor(pooled, self._plain_results[0])
+        host = lane.results[lane.next_result]
+        lane.next_result ^= 1
         return LazyTensor(pooled, host)

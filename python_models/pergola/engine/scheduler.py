@@ -31,6 +31,7 @@ class Sequence:
 class Step:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0
+    lane: int = 0  # 0: any work; 1: queries only (LaneQueue)
 
 
 @dataclass
@@ -49,9 +50,10 @@ class _Job:
 class WorkQueue:
     """Requests waiting to be encoded; `next_step()` packs the next step from them."""
 
-    def __init__(self, max_batch_tokens: int, max_batch_seqs: int) -> None:
+    def __init__(self, max_batch_tokens: int, max_batch_seqs: int, lane: int = 0) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
+        self.lane = lane  # stamped on its steps
         self._jobs: dict[Hashable, _Job] = {}
         self._arrivals = itertools.count()
         self.queued_tokens = 0  # tokens of every request not yet in a step
@@ -92,7 +94,7 @@ class WorkQueue:
     def next_step(self) -> Step | None:
         if not self._jobs:
             return None
-        step = Step()
+        step = Step(lane=self.lane)
         for job in sorted(self._jobs.values(), key=_Job.sort_key):
             if not self._take(job, step):
                 break
@@ -114,3 +116,61 @@ class WorkQueue:
     def steps(self) -> Iterator[Step]:
         while (step := self.next_step()) is not None:
             yield step
+
+
+class LaneQueue:
+    """Queries apart from bulk work: requests of at most `query_tokens` tokens wait in a queue of
+    their own, whose steps hold only queries (small: a CUDA graph of a few milliseconds) and are
+    taken first. Bulk steps keep the full budget, so bulk throughput does not shrink to make room
+    for queries; instead a query's step runs between two layers of the bulk step in flight
+    (engine/loop.py). Without `query_tokens` it is one WorkQueue, as before."""
+
+    def __init__(self, max_batch_tokens: int, max_batch_seqs: int, query_tokens: int = 0) -> None:
+        self.bulk = WorkQueue(max_batch_tokens, max_batch_seqs)
+        self.query_tokens = min(query_tokens, max_batch_tokens)
+        self.queries = WorkQueue(self.query_tokens, max_batch_seqs, lane=1) if query_tokens else None
+
+    def __bool__(self) -> bool:
+        return bool(self.bulk) or self.has_queries
+
+    @property
+    def has_queries(self) -> bool:
+        return self.queries is not None and bool(self.queries)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.bulk.queued_tokens + (self.queries.queued_tokens if self.queries is not None else 0)
+
+    def is_query(self, tokens: int) -> bool:
+        return self.queries is not None and tokens <= self.query_tokens
+
+    def add(self, key: Hashable, lengths: list[int]) -> None:
+        (self.queries if self.is_query(sum(lengths)) else self.bulk).add(key, lengths)
+
+    def remove(self, key: Hashable) -> None:
+        self.bulk.remove(key)
+        if self.queries is not None:
+            self.queries.remove(key)
+
+    def keys(self) -> list[Hashable]:
+        return self.bulk.keys() + (self.queries.keys() if self.queries is not None else [])
+
+    def work_ahead(self, tokens: int) -> int:
+        """Queued tokens that run before a new request of `tokens` tokens: a query waits only for
+        queries (it slips between bulk layers), bulk work for every query and the smaller bulk."""
+        if self.is_query(tokens):
+            return self.queries.work_ahead(tokens)
+        return self.bulk.work_ahead(tokens) + (self.queries.queued_tokens if self.queries is not None else 0)
+
+    def finish_lines(self) -> dict[Hashable, int]:
+        if self.queries is None:
+            return self.bulk.finish_lines()
+        first = self.queries.queued_tokens
+        return self.queries.finish_lines() | {k: v + first for k, v in self.bulk.finish_lines().items()}
+
+    def next_query_step(self) -> Step | None:
+        return self.queries.next_step() if self.queries is not None else None
+
+    def next_step(self) -> Step | None:
+        """The next step: queries' first, else bulk work."""
+        return self.next_query_step() if self.has_queries else self.bulk.next_step()

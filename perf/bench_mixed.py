@@ -1,0 +1,148 @@
+"""Mixed traffic: a query's latency while bulk embedding saturates the server (the fifth suite).
+
+    python perf/bench_mixed.py --model qwen3-0.6b --out perf/out/mixed.json
+    python perf/bench_vllm.py --suites mixed          # vLLM 0.22's server, same inputs and driver
+
+One tritonserver with the model as `bench` (its encoder `bench_encoder`) and the gateway in front.
+Queries, sequential, batch 1: 128 pre-tokenized tokens to the encoder over gRPC and over HTTP
+(tritonclient), a ~8-word text through the `embed` ensemble (gRPC) and through the gateway's
+/v1/embeddings. Bulk loads, four client processes each: 100 x 512 and 25 x 4,096 pre-tokenized
+tokens to the encoder (gRPC), and 100 texts of ~512 tokens through `embed`. perf/mixed.py says
+how each load is timed; the goal (issue: one engine for both traffic patterns) is loaded p99
+<= 3x idle p99, p50 <= 2x idle p50, and the bulk keeping >= 95% of its throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mixed  # noqa: E402
+from bench_gateway import Gateway  # noqa: E402
+from mixed import LOADS, QUERY  # noqa: E402
+from bench_server import NAME, grpc_client, infer_text, infer_tokens  # noqa: E402
+from common import model_folder, write_result  # noqa: E402
+from inputs import TokenWindows  # noqa: E402
+
+from pergola.gateway.app import spawn  # noqa: E402
+from pergola.gateway.options import GatewayOptions  # noqa: E402
+from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
+from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+
+@contextlib.contextmanager
+def pergola_stack(folder: Path, workdir: Path, gpu: bool, **options) -> Iterator[tuple[ServerOptions, int]]:
+    """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway;
+    -> (server ports, gateway port) once both answer."""
+    entry = entry_from_folder(folder, NAME, **options)
+    repo = build_repository(workdir / "repo", [entry], gpu=gpu)
+    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = start(opts, log_path=workdir / "tritonserver.log")
+    gw_port = free_port()
+    gateway = spawn(GatewayOptions(triton=f"127.0.0.1:{opts.grpc_port}", gateway_port=gw_port,
+                                   gateway_bind="127.0.0.1", models=NAME))
+    try:
+        wait_ready(opts.http_port, server, timeout=300)
+        for _ in range(600):  # the gateway finds the model once the server is up
+            try:
+                Gateway(gw_port).embed([1, 2, 3])
+                break
+            except (OSError, RuntimeError):
+                time.sleep(0.1)
+        yield opts, gw_port
+    finally:
+        gateway.terminate()
+        server.terminate()
+        server.wait(timeout=60)
+
+
+# --- senders (module level: the bulk processes are spawned) -----------------------------------
+def grpc_ids_sender(url: str):
+    mod, client = grpc_client(url)
+    return lambda seqs: infer_tokens(client, mod, seqs)
+
+
+def grpc_text_sender(url: str):
+    mod, client = grpc_client(url)
+    return lambda texts: infer_text(client, mod, texts)
+
+
+def http_ids_sender(url: str):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url)
+    return lambda seqs: infer_tokens(client, httpclient, seqs)
+
+
+def _bound(make_sender, url: str, payload):
+    send = make_sender(url)
+    return lambda: send(payload)
+
+
+def _gateway_text(port: int):
+    gw = Gateway(port)
+    return lambda: gw.embed([QUERY])
+
+
+def query_kinds(opts: ServerOptions, gw_port: int, windows: TokenWindows) -> mixed.QueryKinds:
+    grpc, http = f"127.0.0.1:{opts.grpc_port}", f"127.0.0.1:{opts.http_port}"
+    ids = windows.ids(128, 1, seed=128)
+    return {"grpc_ids_128": partial(_bound, grpc_ids_sender, grpc, ids),
+            "http_ids_128": partial(_bound, http_ids_sender, http, ids),
+            "grpc_text": partial(_bound, grpc_text_sender, grpc, [QUERY]),
+            "gateway_text": partial(_gateway_text, gw_port)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "minilm", "qwen3-tiny"])
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
+    p.add_argument("-n", type=int, default=150, help="queries of each kind per load")
+    p.add_argument("--procs", type=int, default=4, help="bulk client processes")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an encoder option for this run, e.g. query_tokens=0 (the single lane)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default="perf/out/mixed.json")
+    args = p.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-mixed-"))
+    folder = model_folder(args.model, workdir)
+    windows = TokenWindows(load_model_spec(folder).tokenizer_file)
+    options = {k: type_of(v) for k, v in (o.split("=", 1) for o in args.option)}
+    res: dict = {"system": "pergola", "model": args.model, "device": args.device, "options": options,
+                 "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "loads": {}}
+    # No load shedding: the bulk clients keep more work queued than the default 10 s allows on a CPU.
+    with pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0, **options) as (opts, gw):
+        kinds = query_kinds(opts, gw, windows)
+        res["idle"] = mixed.idle_latency(kinds, args.n)
+        print("idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()),
+              flush=True)
+        grpc = (f"127.0.0.1:{opts.grpc_port}",)
+        for name in args.loads:
+            print(f"{name}:", flush=True)
+            how, batches = mixed.bulk_batches(windows, name, args.procs)
+            sender = grpc_ids_sender if how == "ids" else grpc_text_sender
+            row = res["loads"][name] = mixed.run_load(kinds, sender, grpc, batches, n=args.n)
+            row["goal"] = mixed.verdict(res["idle"], row["loaded"], row["bulk_kept"])
+    write_result(res, args.out)
+
+
+def type_of(value: str) -> object:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+if __name__ == "__main__":
+    main()
