@@ -349,6 +349,42 @@ def test_tei_tokenize_equals_the_tokenizers_offsets(gateway, st_model):
     assert status == 400 and out["error_type"] == "Validation"
 
 
+# --- the Python client and the CLI through the gateway ------------------------------------------
+
+def test_gateway_client_answers_as_the_triton_client(gateway, direct, rerank_folders):
+    """connect("http://...") is a GatewayClient whose embed / rerank answers equal PergolaClient's."""
+    from pergola_client import GatewayClient, GatewayError, connect
+
+    client = connect(gateway.url, model="minilm", api_key=KEY)
+    assert isinstance(client, GatewayClient) and client.is_ready()
+    for encoding in ("float32", "int8", "binary"):
+        got, expected = client.embed(TEXTS[:4], encoding=encoding), direct.embed(TEXTS[:4], encoding=encoding)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), atol=1e-6)
+    raw = client.embed(TEXTS[:2], normalize=False, dimensions=64, truncate="START")
+    np.testing.assert_allclose(raw, direct.embed(TEXTS[:2], normalize=False, dimensions=64, truncate="START"),
+                               atol=1e-6)
+    ours, theirs = client.rerank(QUERY, DOCS, top_n=3, model="ce"), direct.rerank(QUERY, DOCS, top_n=3, model="ce")
+    np.testing.assert_allclose(ours.scores, theirs.scores, atol=1e-6)
+    assert ours.indices.tolist() == theirs.indices.tolist()
+    with pytest.raises(GatewayError, match="HTTP 401"):
+        connect(gateway.url).embed(["x"])
+
+
+def test_cli_embed_and_rerank_through_the_gateway(gateway, direct):
+    def run(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "pergola.cli", *args, "--url", gateway.url, "--api-key", KEY],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    data = run("embed", "--model-name", "minilm", "--truncate", "end", TEXTS[0], TEXTS[1])["data"]
+    vectors = np.array([row["embedding"] for row in data], dtype=np.float32)
+    np.testing.assert_allclose(vectors, direct.embed(TEXTS[:2]), atol=1e-6)
+    results = run("rerank", "--model-name", "ce", "--top-n", "2", QUERY, *DOCS)["results"]
+    assert [r["index"] for r in results] == direct.rerank(QUERY, DOCS, top_n=2, model="ce").indices.tolist()
+
+
 # --- a result does not depend on how the request was cut ----------------------------------------
 
 def test_split_answers_equal_unsplit(gateway, server, tmp_path):

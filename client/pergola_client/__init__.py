@@ -1,13 +1,19 @@
-"""Python client for a pergola Triton server, over tritonclient gRPC or HTTP.
+"""Python client for a pergola server: Triton over tritonclient gRPC or HTTP, or the gateway's
+HTTP API (OpenAI /v1/embeddings, Cohere /v1/rerank), with the same calls and answers.
 
-    from pergola_client import PergolaClient
+    from pergola_client import PergolaClient, connect
     client = PergolaClient("localhost:8001")            # gRPC; protocol="http" for port 8000
     vectors = client.embed(["a query", "a document"])    # np.ndarray [2, dim] float32
     codes = client.embed(["a query"], encoding="int8")    # [1, dim] int8; "binary": [1, dim/8] uint8
+    gateway = connect("http://localhost:8080")           # a URL with a scheme: the gateway (GatewayClient)
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import urllib.error
+import urllib.request
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -78,11 +84,20 @@ class PergolaClient:
         inputs = [] if encoding == "float32" else [self._input("ENCODING", value, "BYTES")]
         return inputs, output, dtype
 
+    def _truncate(self, truncate: bool | str | None) -> list[Any]:
+        """TRUNCATE_MODE for a mode (NONE | START | END), TRUNCATE for its BOOL form."""
+        if truncate is None:
+            return []
+        if isinstance(truncate, str):
+            return [self._input("TRUNCATE_MODE", np.array([truncate.encode()], dtype=object), "BYTES")]
+        return [self._input("TRUNCATE", np.array([truncate], dtype=bool), "BOOL")]
+
     def embed(self, texts: Sequence[str], prompt: str | None = None, dimensions: int | None = None,
-              normalize: bool | None = None, truncate: bool | None = None,
+              normalize: bool | None = None, truncate: bool | str | None = None,
               model: str | None = None, encoding: str = "float32") -> np.ndarray:
         """Embeddings [len(texts), dim], row i for texts[i]: float32, float16, int8 (round(x * 127)
-        of the normalised vector), or binary: sign bits packed 8 dims a byte, [len(texts), ceil(dim / 8)] uint8."""
+        of the normalised vector), or binary: sign bits packed 8 dims a byte, [len(texts), ceil(dim / 8)] uint8.
+        truncate: NONE | START | END, or True (END) / False (NONE); None: the server's default."""
         data = np.array([t.encode("utf-8") if isinstance(t, str) else t for t in texts], dtype=object)
         inputs = [self._input("TEXT", data.reshape(-1), "BYTES")]
         if prompt is not None:
@@ -91,21 +106,23 @@ class PergolaClient:
             inputs.append(self._input("DIMENSIONS", np.array([dimensions], dtype=np.int32), "INT32"))
         if normalize is not None:
             inputs.append(self._input("NORMALIZE", np.array([normalize], dtype=bool), "BOOL"))
-        if truncate is not None:
-            inputs.append(self._input("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
+        inputs += self._truncate(truncate)
         encoding_inputs, output, dtype = self._encoding(encoding, [1])
         return self._infer(model or self.model, inputs + encoding_inputs, [output]).as_numpy(output).view(dtype)
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
-               truncate: bool | None = None, model: str | None = None) -> RerankResult:
-        """Scores of `documents` against `query` (reranker served as `rerank` by default)."""
+               truncate: bool | str | None = None, model: str | None = None,
+               instruction: str | None = None) -> RerankResult:
+        """Scores of `documents` against `query` (reranker served as `rerank` by default);
+        `instruction`: a Qwen3-Reranker's task for this request."""
         docs = np.array([d.encode("utf-8") for d in documents], dtype=object)
         inputs = [self._input("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES"),
                   self._input("DOCUMENTS", docs.reshape(-1), "BYTES")]
         if top_n is not None:
             inputs.append(self._input("TOP_N", np.array([top_n], dtype=np.int32), "INT32"))
-        if truncate is not None:
-            inputs.append(self._input("TRUNCATE", np.array([truncate], dtype=bool), "BOOL"))
+        inputs += self._truncate(truncate)
+        if instruction is not None:
+            inputs.append(self._input("INSTRUCTION", np.array([instruction.encode("utf-8")], dtype=object), "BYTES"))
         name = model or ("rerank" if self.model == "embed" else self.model)
         result = self._infer(name, inputs, ["SCORE", "INDICES"])
         return RerankResult(result.as_numpy("SCORE"), result.as_numpy("INDICES"))
@@ -133,3 +150,102 @@ class PergolaClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# encoding -> the gateway's embedding_type (Cohere's names) and the dtype of its base64 bytes
+GATEWAY_TYPES = {"float32": ("float", "<f4"), "float16": ("float16", "<f2"), "int8": ("int8", "i1"),
+                 "binary": ("ubinary", "u1"), "ubinary": ("ubinary", "u1")}
+
+
+class GatewayError(Exception):
+    """An error answer of the gateway: its HTTP status and the message saying what to change."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message = status, message
+
+
+class GatewayClient:
+    """PergolaClient's calls through the gateway (`pergola serve` port 8080, or `pergola gateway`):
+    embeddings from OpenAI's /v1/embeddings (base64, pergola's extras), rerank from Cohere's
+    /v1/rerank. The answers are PergolaClient's: arrays in input order, RerankResult."""
+
+    def __init__(self, url: str = "http://localhost:8080", model: str = "embed", timeout_s: float | None = None,
+                 api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s or 300.0
+        self._headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"}
+                                                                 if api_key else {})
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                text = answer.read()
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                error = json.loads(raw)
+                message = error.get("message") or error.get("error", {}).get("message") or str(error)
+            except ValueError:
+                message = raw.decode(errors="replace")
+            raise GatewayError(e.code, message) from None
+        return json.loads(text) if text else None
+
+    def embed(self, texts: Sequence[str], prompt: str | None = None, dimensions: int | None = None,
+              normalize: bool | None = None, truncate: bool | str | None = None,
+              model: str | None = None, encoding: str = "float32") -> np.ndarray:
+        """As PergolaClient.embed; `truncate` also takes a mode, NONE | START | END."""
+        if encoding not in GATEWAY_TYPES:
+            raise ValueError(f"encoding must be one of {', '.join(GATEWAY_TYPES)}, got {encoding!r}")
+        embedding_type, dtype = GATEWAY_TYPES[encoding]
+        body: dict[str, Any] = {"model": model or self.model, "input": list(texts), "encoding_format": "base64",
+                                "embedding_type": embedding_type}
+        for name, value in (("prompt_name", prompt), ("dimensions", dimensions), ("normalize", normalize),
+                            ("truncate", truncate)):
+            if value is not None:
+                body[name] = value
+        out = self._call("POST", "/v1/embeddings", body)
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=dtype) for d in out["data"]])
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+               truncate: bool | str | None = None, model: str | None = None,
+               instruction: str | None = None) -> RerankResult:
+        """As PergolaClient.rerank; `instruction`: a Qwen3-Reranker's task for this request."""
+        body: dict[str, Any] = {"model": model or ("rerank" if self.model == "embed" else self.model),
+                                "query": query, "documents": list(documents)}
+        for name, value in (("truncate", truncate), ("instruction", instruction)):
+            if value is not None:
+                body[name] = value
+        results = self._call("POST", "/v1/rerank", body)["results"]  # every document, best first
+        scores = np.zeros(len(documents), dtype=np.float32)
+        for r in results:
+            scores[r["index"]] = r["relevance_score"]
+        indices = np.array([r["index"] for r in results], dtype=np.int32)
+        return RerankResult(scores, indices[:top_n] if top_n else indices)
+
+    def is_ready(self) -> bool:
+        try:
+            self._call("GET", "/health")
+            return True
+        except (GatewayError, OSError):
+            return False
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "GatewayClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(url: str | None = None, protocol: str | None = None, **kwargs: Any) -> "PergolaClient | GatewayClient":
+    """A client for `url`: the gateway when it has a scheme (http://host:8080) or protocol is
+    "gateway", else Triton over `protocol` (grpc by default, or http)."""
+    if protocol == "gateway" or (url or "").startswith(("http://", "https://")):
+        return GatewayClient(url or "http://localhost:8080", **kwargs)
+    return PergolaClient(url, protocol=protocol or "grpc", **kwargs)

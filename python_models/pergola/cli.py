@@ -20,6 +20,7 @@ from pergola.gateway.options import GatewayOptions
 from pergola.options import add_arguments, markdown_table, option, values_from
 from pergola.server import ServerOptions
 from pergola_client import ENCODINGS
+from pergola.tokenization import TRUNCATE_MODES
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 # Gateway options `pergola serve` sets itself: its own Triton server and admin token file.
@@ -85,6 +86,18 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
 def _add_key_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=(os.environ.get("PERGOLA_API_KEY") or "").split(",")[0] or None,
                    help="the server's API key, if it has one [env PERGOLA_API_KEY: its first key]")
+
+
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    """Where `embed` / `rerank` send their request: Triton (gRPC, HTTP) or the gateway."""
+    p.add_argument("--url", default=None, help="host:port of Triton (default localhost:8001 gRPC / 8000 HTTP), or "
+                                               "the gateway's http://host:8080 (a URL with a scheme: the gateway)")
+    p.add_argument("--protocol", choices=["grpc", "http", "gateway"], default=None,
+                   help="Triton's gRPC (default) or HTTP, or the gateway's HTTP API (OpenAI /v1/embeddings, "
+                        "Cohere /v1/rerank)")
+    p.add_argument("--truncate", type=str.upper, choices=TRUNCATE_MODES, default=None,
+                   help="texts over the model's limit: cut their END or START, or refuse them (NONE); "
+                        "default: the server's")
 
 
 def _use_gpu(device: str) -> bool:
@@ -177,13 +190,13 @@ def start_gateway(args: argparse.Namespace, server: "ServerOptions", token_file:
 
 
 def embed(args: argparse.Namespace) -> None:
-    from pergola_client import PergolaClient
+    from pergola_client import connect
 
     texts = args.text or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name, api_key=args.api_key) as client:
+    with connect(args.url, protocol=args.protocol, model=args.model_name, api_key=args.api_key) as client:
         vectors = client.embed(texts, prompt=args.prompt, dimensions=args.dimensions,
                                normalize=None if args.normalize is None else args.normalize == "true",
-                               encoding=args.encoding)
+                               truncate=args.truncate, encoding=args.encoding)
     floats = vectors.dtype.kind == "f"
     rows = [[round(float(x), 7) for x in v] if floats else v.tolist() for v in vectors]
     json.dump({"model": args.model_name, "encoding": args.encoding, "data": [
@@ -226,10 +239,11 @@ def gateway(args: argparse.Namespace) -> None:
 
 
 def rerank(args: argparse.Namespace) -> None:
-    from pergola_client import PergolaClient
+    from pergola_client import connect
 
-    with PergolaClient(args.url, protocol=args.protocol, model=args.model_name, api_key=args.api_key) as client:
-        result = client.rerank(args.query, args.documents, top_n=args.top_n)
+    with connect(args.url, protocol=args.protocol, model=args.model_name, api_key=args.api_key) as client:
+        extra = {"instruction": args.instruction} if args.instruction else {}
+        result = client.rerank(args.query, args.documents, top_n=args.top_n, truncate=args.truncate, **extra)
     json.dump({"model": args.model_name, "results": [
         {"index": int(i), "score": float(result.scores[i]), "document": args.documents[i]} for i in result.indices
     ]}, sys.stdout)
@@ -252,8 +266,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("embed", help="embed TEXT... (or stdin lines) with a running server; prints JSON")
     p.add_argument("text", nargs="*")
-    p.add_argument("--url", default=None, help="host:port (default localhost:8001 gRPC / 8000 HTTP)")
-    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    _add_target_options(p)
     p.add_argument("--model-name", default="embed")
     _add_key_option(p)
     p.add_argument("--prompt", default=None, help="a prompt name of the model (e.g. query)")
@@ -275,11 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("rerank", help="score DOCUMENT... against QUERY with a running server; prints JSON")
     p.add_argument("query")
     p.add_argument("documents", nargs="+")
-    p.add_argument("--url", default=None, help="host:port (default localhost:8001 gRPC / 8000 HTTP)")
-    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    _add_target_options(p)
     p.add_argument("--model-name", default="rerank")
     _add_key_option(p)
     p.add_argument("--top-n", type=int, default=None)
+    p.add_argument("--instruction", default=None, help="a Qwen3-Reranker's task instruction for this request")
     p.set_defaults(func=rerank)
 
     p = sub.add_parser("download", help="fetch Hub models (ORG/NAME[@REVISION]) into the Hugging Face cache "

@@ -5,7 +5,7 @@ go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `e
 float|base64, `user` ignored), pergola takes `prompt_name` or `input_type` (query, passage or
 document; Cohere's search_query / search_document too), `truncate` (NONE, START or END as NIM and
 Cohere send it, or true = END / false = NONE), `max_tokens` (Cohere's: a limit below the model's),
-and `embedding_type` with
+`normalize` (TEI's; default the model's), and `embedding_type` with
 Cohere's meanings: float, float16, int8 (round(127 x) of the unit vector), uint8 (int8 + 128),
 ubinary (sign bits, 8 dimensions a byte, first in the high bit) and binary (ubinary - 128, as
 int8). base64 carries the little-endian bytes of each row in that type.
@@ -68,7 +68,8 @@ def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
             raise GatewayError(422, "send `prompt_name` or `input_type`, not both", "input_type")
         prompt = INPUT_TYPES[input_type]
     return EmbedOptions(prompt_name=prompt, dimensions=body.positive("dimensions"), truncate=truncate_option(body),
-                        max_tokens=body.positive("max_tokens"), encoding=EMBEDDING_TYPES[embedding_type][0])
+                        max_tokens=body.positive("max_tokens"), normalize=body.get("normalize", bool),
+                        encoding=EMBEDDING_TYPES[embedding_type][0])
 
 
 def token_lists(value: list) -> list[list[int]] | None:
