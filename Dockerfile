@@ -25,6 +25,7 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERS
  && pip install --no-cache-dir "numpy>=1.24,<2" "tokenizers>=0.19" "safetensors>=0.4" \
         "tritonclient[grpc,http]>=2.41" tqdm "starlette>=0.40" "uvicorn>=0.30" "uvloop>=0.19" \
         "httptools>=0.6" "orjson>=3.9" "huggingface_hub>=0.25" "prometheus-client>=0.20" \
+        "opentelemetry-sdk>=1.25" "opentelemetry-exporter-otlp-proto-http>=1.25" \
  && python -c "import torch; assert torch.version.cuda.startswith('12.6'), torch.version.cuda" \
  && (pip install --no-cache-dir flashinfer-python || echo "flashinfer-python not installed: PyTorch FA2 is used")
 

@@ -1,10 +1,11 @@
 """One `pergola serve --model mini=ORG/NAME --otlp-endpoint URL` from an offline Hugging Face cache
 (HF_HUB_OFFLINE=1): it answers, /info names the Hub id and commit, the documented metrics (README:
 Metrics) appear on Triton's port and the gateway's /metrics and move by what the requests did,
-and a caller's trace id sent through the gateway reaches the OTLP collector in Triton's spans."""
+and a caller's trace runs through the gateway's spans into Triton's at the OTLP collector."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import threading
@@ -104,6 +105,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, collec
     root = tmp_path_factory.mktemp("hub-serve")
     add_snapshot(root / "hf-cache", REPO_ID, minilm_folder, MAIN)
     with pytest.MonkeyPatch.context() as env:  # what the server process inherits
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # the gateway's span batches: every 0.2 s
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("HF_HUB_CACHE", str(root / "hf-cache"))
         process = start_serve(root, f"mini={REPO_ID}", "--metrics-flush-s", "0", "--otlp-endpoint",
@@ -164,26 +166,48 @@ def test_metrics_have_their_names_and_move_by_what_the_requests_did(served):
 
 
 def spans(bodies: list[bytes]) -> list[tuple[str, dict]]:
-    """(service.name, span) of every span exported (Triton 2.51 sends OTLP/HTTP as JSON)."""
+    """(service.name, span) of every span exported, ids in hex: Triton 2.51 sends OTLP/HTTP as
+    JSON, the gateway (the OpenTelemetry SDK) as protobuf."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
     out = []
     for body in bodies:
-        for resource in json.loads(body)["resourceSpans"]:
+        if body.startswith(b"{"):
+            resources = json.loads(body)["resourceSpans"]
+        else:
+            resources = MessageToDict(ExportTraceServiceRequest.FromString(body))["resourceSpans"]
+            for span in (sp for r in resources for sc in r["scopeSpans"] for sp in sc["spans"]):
+                for key in ("traceId", "spanId", "parentSpanId"):  # base64 in protobuf's JSON form
+                    span[key] = base64.b64decode(span.get(key, "")).hex()
+        for resource in resources:
             attrs = {a["key"]: a["value"].get("stringValue") for a in resource["resource"]["attributes"]}
             out += [(attrs.get("service.name"), span) for scope in resource["scopeSpans"] for span in scope["spans"]]
     return out
 
 
-def test_a_callers_trace_id_reaches_tritons_spans_through_the_gateway(served, collector):
+def test_a_callers_trace_runs_through_the_gateways_spans_into_tritons(served, collector):
+    """caller's span -> gateway `POST /embed` -> gateway `triton mini` -> Triton's spans, one trace."""
     _, base, _ = served
     trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     post(f"{base}/embed", {"inputs": TEXTS, "model": "mini"}, {"traceparent": f"00-{trace_id}-{span_id}-01"})
+
+    def ours() -> dict[str, list[dict]]:
+        by_service: dict[str, list[dict]] = {}
+        for service, span in spans(collector.bodies):
+            if span["traceId"].lower() == trace_id:
+                by_service.setdefault(service, []).append(span)
+        return by_service
+
     deadline = time.monotonic() + 30  # Triton's exporter sends its batch every 5 s
-    while not (ours := [(service, span) for service, span in spans(collector.bodies)
-                        if span["traceId"].lower() == trace_id]):
-        assert time.monotonic() < deadline, f"no span of trace {trace_id} in {len(collector.bodies)} exports"
+    while set(found := ours()) != {"pergola", "pergola-gateway"}:
+        assert time.monotonic() < deadline, f"spans of trace {trace_id} by service: {found}"
         time.sleep(0.5)
-    assert {service for service, _ in ours} == {"pergola"}
-    assert any(span.get("parentSpanId", "").lower() == span_id for _, span in ours)  # the caller's span
+    gateway = {span["name"]: span for span in found["pergola-gateway"]}
+    server, client = gateway["POST /embed"], gateway["triton mini"]
+    assert server["parentSpanId"] == span_id and client["parentSpanId"] == server["spanId"]
+    triton_parents = {span.get("parentSpanId", "").lower() for span in found["pergola"]}
+    assert client["spanId"] in triton_parents  # Triton's request span hangs below the gateway's call
 
 
 def test_the_gateway_forwards_only_a_well_formed_traceparent():

@@ -149,6 +149,8 @@ def serve(args: argparse.Namespace) -> None:
     print(f"admin token: {token_file} (header {ADMIN_HEADER}: the repository, logging, trace and "
           "shared-memory APIs refuse calls without it)", flush=True)
     opts = ServerOptions(repo=repo, admin_token=token, api_key=inference_key(args), **values_from(args, ServerOptions))
+    if opts.otlp_endpoint:  # the gateway's spans go to the same collector (gateway/tracing.py)
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", opts.otlp_endpoint)
     gateway = start_gateway(args, opts, token_file)
     try:
         if opts.model_control == "explicit":

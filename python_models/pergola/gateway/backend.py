@@ -21,7 +21,7 @@ from pergola.admin import GRPC_API_KEY_HEADER
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.replicas import ReplicaPool
-from pergola.gateway.tracing import with_trace
+from pergola.gateway.tracing import triton_call
 
 # Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
 OUTPUTS = {
@@ -150,8 +150,9 @@ class Backend:
 
         async def call(client: grpcaio.InferenceServerClient):
             # Triton is told the deadline too (µs): the encoder drops work nobody waits for.
-            return await client.infer(model, inputs, outputs=requested, client_timeout=self.timeout_s,
-                                      timeout=int(self.timeout_s * 1e6), headers=with_trace(self.headers))
+            with triton_call(model, self.headers) as headers:  # (gateway/tracing.py)
+                return await client.infer(model, inputs, outputs=requested, client_timeout=self.timeout_s,
+                                          timeout=int(self.timeout_s * 1e6), headers=headers)
 
         return await self.pool.call(call)
 

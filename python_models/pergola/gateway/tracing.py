@@ -1,40 +1,111 @@
-"""W3C trace context through the gateway: a request's `traceparent` header goes on with every
-Triton call made for it, so that Triton's OpenTelemetry spans (`pergola serve --otlp-endpoint`)
-join the caller's trace. The gateway forwards the context unchanged, as a proxy without spans of
-its own does; a malformed header is dropped rather than passed on.
+"""W3C trace context through the gateway, and the gateway's own spans.
+
+With an OTLP endpoint in the environment (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+OTEL_EXPORTER_OTLP_ENDPOINT, as every OpenTelemetry SDK reads them; `pergola serve
+--otlp-endpoint` sets the first for its gateway), the gateway exports a server span per HTTP
+request, a child of the caller's `traceparent` when it sends one, and a client span per Triton
+call under it, whose context goes to Triton as `traceparent` so that Triton's spans hang below
+it in the same trace. Without one it makes no spans and passes a well-formed `traceparent` on
+unchanged, as a proxy does; a malformed header is dropped rather than passed on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import re
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 _current: ContextVar[str | None] = ContextVar("traceparent", default=None)
 
 
+@functools.lru_cache(maxsize=1)
+def tracer() -> Any:
+    """The gateway's tracer (batched OTLP/HTTP export), or None when no endpoint is configured."""
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "pergola-gateway")}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider.get_tracer("pergola.gateway")
+
+
+def _traceparent(scope: dict[str, Any]) -> str | None:
+    raw = dict(scope["headers"]).get(b"traceparent", b"").decode("latin-1").strip().lower()
+    return raw if TRACEPARENT.fullmatch(raw) else None
+
+
 class TraceContext:
-    """ASGI middleware: the request's traceparent, if valid, for the Triton calls it makes."""
+    """ASGI middleware: the request's span (with a tracer) or its traceparent (without one)."""
 
     def __init__(self, app: Callable) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        value = None
-        if scope["type"] == "http":
-            raw = dict(scope["headers"]).get(b"traceparent", b"").decode("latin-1").strip().lower()
-            value = raw if TRACEPARENT.fullmatch(raw) else None
-        token = _current.set(value)
-        try:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
-        finally:
-            _current.reset(token)
+        elif tracer() is None:
+            token = _current.set(_traceparent(scope))
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _current.reset(token)
+        else:
+            await self._traced(scope, receive, send)
+
+    async def _traced(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        parent = _traceparent(scope)
+        context = TraceContextTextMapPropagator().extract({"traceparent": parent} if parent else {})
+        status = 500  # what the client sees when the app fails before answering
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        with tracer().start_as_current_span(f"{scope['method']} {scope['path']}", context=context,
+                                            kind=SpanKind.SERVER) as span:
+            span.set_attributes({"http.request.method": scope["method"], "url.path": scope["path"]})
+            try:
+                await self.app(scope, receive, send_status)
+            finally:
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
 
 
 def with_trace(headers: dict[str, str] | None) -> dict[str, str] | None:
-    """`headers` for a Triton call, plus the current request's traceparent (gRPC metadata)."""
+    """`headers` for a Triton call plus the request's traceparent (gRPC metadata), without a tracer."""
     value = _current.get()
     if value is None:
         return headers
     return {**(headers or {}), "traceparent": value}
+
+
+@contextlib.contextmanager
+def triton_call(model: str, headers: dict[str, str] | None) -> Iterator[dict[str, str] | None]:
+    """The headers of one Triton call, inside a client span of its own when the gateway traces."""
+    if tracer() is None:
+        yield with_trace(headers)
+        return
+    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    with tracer().start_as_current_span(f"triton {model}", kind=SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService", "rpc.method": "ModelInfer",
+            "triton.model": model}):
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier)  # this span's context, for Triton's spans
+        yield {**(headers or {}), **carrier}
