@@ -78,7 +78,9 @@ def call(gw: Gateway, method: str, path: str, body: object = None, key: str | No
 @pytest.fixture(scope="module")
 def gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
     # chunks of 3 texts: every multi-text request below is cut and put back together
-    gw = start_gateway(tmp_path_factory.mktemp("gateway"), server.grpc_url, "--api-key", KEY, "--chunk-texts", "3")
+    metrics_port = server.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    gw = start_gateway(tmp_path_factory.mktemp("gateway"), server.grpc_url, "--api-key", KEY, "--chunk-texts", "3",
+                       "--triton-metrics-port", metrics_port)
     yield gw
     gw.stop()
 
@@ -347,6 +349,19 @@ def test_tei_tokenize_equals_the_tokenizers_offsets(gateway, st_model):
     assert status == 200 and [t["text"] for t in plain[0]] == ["Hello", "world"]
     status, out, _ = call(gateway, "POST", "/tokenize", {"model": "ce", "inputs": "x"})
     assert status == 400 and out["error_type"] == "Validation"
+
+
+def test_triton_metrics_pass_through_with_a_replica_label(gateway, server):
+    """GET /metrics/triton: Triton's own metrics text, each sample labelled with its replica."""
+    call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": ["counted"]})
+    req = urllib.request.Request(gateway.url + "/metrics/triton")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    assert f'pergola_gateway_triton_metrics_up{{replica="{server.grpc_url}"}} 1' in text
+    success = [line for line in text.splitlines()
+               if line.startswith("nv_inference_request_success{") and 'model="minilm"' in line]
+    assert success and all(f'replica="{server.grpc_url}"' in line for line in success)
+    assert float(success[0].rsplit(" ", 1)[1]) >= 1
 
 
 # --- the Python client and the CLI through the gateway ------------------------------------------

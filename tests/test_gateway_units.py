@@ -106,3 +106,19 @@ def test_addresses_are_checked():
     with pytest.raises(ValueError, match="HOST:PORT"):
         replicas.resolve("localhost")
     assert replicas.resolve("127.0.0.1:8001") == ["127.0.0.1:8001"]
+
+
+def test_triton_metrics_get_a_replica_label_and_one_description():
+    from pergola.gateway.triton_metrics import labelled
+
+    text = """# HELP nv_x requests
+# TYPE nv_x counter
+nv_x{model="a",version="1"} 3
+nv_y 2.5
+"""
+    described: set = set()
+    first = labelled(text, "10.0.0.1:8001", described)
+    second = labelled(text, "10.0.0.2:8001", described)
+    assert first == ["# HELP nv_x requests", "# TYPE nv_x counter",
+                     'nv_x{replica="10.0.0.1:8001",model="a",version="1"} 3', 'nv_y{replica="10.0.0.1:8001"} 2.5']
+    assert second == ['nv_x{replica="10.0.0.2:8001",model="a",version="1"} 3', 'nv_y{replica="10.0.0.2:8001"} 2.5']

@@ -17,7 +17,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import metrics, openai_api, rerank_api, tei_api, tracing
+from pergola.gateway import metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys
@@ -58,6 +58,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/tokenize", "tei", tei_api.tokenize),
         route("/info", "tei", tei_api.info, "GET"),
         Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
+        triton_metrics.route(lambda: holder["gateway"]),  # Triton's metrics text, per replica
     ]
     middleware = [Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH]),
                   Middleware(tracing.TraceContext)]  # gateway/metrics.py, gateway/tracing.py

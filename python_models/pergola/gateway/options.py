@@ -25,6 +25,8 @@ class GatewayOptions:
     triton_admin_token_file: str | None = option(None, "admin token file of the Triton server(s): lets the "
                                                        "gateway list every served model (without it: `embed`, "
                                                        "`rerank` and --models)", metavar="FILE")
+    triton_metrics_port: int = option(8002, "Triton's metrics port on each --triton host: GET /metrics/triton "
+                                            "passes its text through, labelled by replica")
     models: str | None = option(None, "served model names to look for when the repository index is closed "
                                       "to the gateway, comma-separated", metavar="NAME[,...]")
     chunk_texts: int = option(32, "a request of more texts is cut into chunks of this many, sent to the "
