@@ -228,3 +228,34 @@ def test_decoder_matches_sentence_transformers(decoder_folders, kind, prompt):
     engine = engine_for(folder)
     assert hasattr(engine.runner.model.layers[0].self_attn, "q_norm") == (kind == "gemma3")
     assert_matches_sentence_transformers(engine, folder, TEXTS, prompt)
+
+
+# --- ModernBERT -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def modernbert_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from pergola.testing import make_modernbert_folder, make_modernbert_reranker_folder
+
+    root = tmp_path_factory.mktemp("modernbert")
+    return {"embed": make_modernbert_folder(root / "embed", seed=10),
+            "reranker": make_modernbert_reranker_folder(root / "reranker", seed=11)}
+
+
+def test_modernbert_matches_sentence_transformers(modernbert_folders):
+    """Texts of 1 to 400+ tokens against a 16-token local window (|q - k| <= 8): the band and the
+    ragged path both run, and global layers see the whole text."""
+    folder = modernbert_folders["embed"]
+    spec = load_model_spec(folder)
+    assert (spec.architecture, spec.pooling, spec.normalize, spec.max_seq_length) == ("modernbert", "cls", True, 8192)
+    assert_matches_sentence_transformers(engine_for(folder), folder, TEXTS)
+
+
+def test_modernbert_reranker_matches_transformers(modernbert_folders):
+    folder = modernbert_folders["reranker"]
+    spec = load_model_spec(folder)
+    assert (spec.task, spec.pooling) == ("rerank", "mean")
+    engine = engine_for(folder)
+    ours = engine_scores(engine, QUERY, DOCS)
+    np.testing.assert_allclose(ours, sequence_classification_scores(folder, QUERY, DOCS), atol=1e-4, rtol=0)
+    singles = np.array([engine_scores(engine, QUERY, [d])[0] for d in DOCS])
+    np.testing.assert_allclose(ours, singles, atol=1e-5, rtol=0)

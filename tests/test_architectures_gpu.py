@@ -4,7 +4,8 @@ within 1e-2), through eager warm-up, CUDA-graph capture and replay, and batched 
 
 Marked `gpu`: skipped without CUDA. Folders are seeded random weights (no weights of these models
 are available offline) written as Hugging Face writes them: bge-m3 / bge-reranker-v2-m3
-(XLM-RoBERTa large), all-mpnet-base-v2, gte-Qwen2-1.5B-instruct, embeddinggemma-300m.
+(XLM-RoBERTa large), all-mpnet-base-v2, gte-Qwen2-1.5B-instruct, embeddinggemma-300m,
+gte-modernbert-base / gte-reranker-modernbert-base.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from test_rerank import DOCS, QUERY
 
 pytestmark = pytest.mark.gpu
 
-# Long enough to cross EmbeddingGemma's window (257 tokens each side) and MPNet's far buckets.
+# Long enough to cross EmbeddingGemma's window (257 tokens each side), ModernBERT's (64) and
+# MPNet's far buckets.
 GPU_TEXTS = [*TEXTS, "Paris is the capital and most populous city of France. " * 60]
 
 
@@ -37,6 +39,9 @@ def make_folder(kind: str, out: Path) -> Path:
         "mpnet": lambda: testing.make_mpnet_folder(out, shape="all-mpnet-base-v2"),
         "qwen2": lambda: testing.make_qwen2_folder(out, shape="gte-qwen2-1.5b"),
         "gemma3": lambda: testing.make_gemma3_folder(out, shape="embeddinggemma-300m"),
+        "modernbert": lambda: testing.make_modernbert_folder(out, shape="gte-modernbert-base"),
+        "xlm-roberta-reranker": lambda: testing.make_xlm_roberta_reranker_folder(out, shape="bge-m3"),
+        "modernbert-reranker": lambda: testing.make_modernbert_reranker_folder(out, shape="gte-modernbert-base"),
     }
     return makers[kind]()
 
@@ -46,7 +51,7 @@ def embed(engine: Engine, texts: list[str]) -> np.ndarray:
     return finish(engine.encode([EncodeRequest(enc.input_ids, enc.lengths)])[0], 0, engine.spec.normalize)
 
 
-@pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet", "qwen2", "gemma3", "modernbert"])
 def test_bf16_matches_fp32_reference(tmp_path, kind):
     from sentence_transformers import SentenceTransformer
 
@@ -67,12 +72,11 @@ def test_bf16_matches_fp32_reference(tmp_path, kind):
     print(kind, modes)
 
 
-def test_xlm_roberta_reranker_bf16_matches_transformers(tmp_path):
+@pytest.mark.parametrize("kind", ["xlm-roberta-reranker", "modernbert-reranker"])
+def test_reranker_bf16_matches_transformers(tmp_path, kind):
     from test_architectures import sequence_classification_scores
 
-    from pergola.testing import make_xlm_roberta_reranker_folder
-
-    folder = make_xlm_roberta_reranker_folder(tmp_path / "reranker", shape="bge-m3")
+    folder = make_folder(kind, tmp_path / kind)
     expected = sequence_classification_scores(folder, QUERY, DOCS)  # FP32 on the CPU
     engine = Engine(EngineConfig(model_dir=str(folder), device="cuda"))
     enc = RerankTokenizer(engine.spec).encode(QUERY, DOCS)

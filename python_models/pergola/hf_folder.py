@@ -18,12 +18,12 @@ Task = Literal["embed", "rerank"]
 # HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
 # XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
 ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpnet": "mpnet", "qwen2": "qwen3",
-                 "qwen3": "qwen3", "gemma3_text": "gemma3"}
+                 "qwen3": "qwen3", "gemma3_text": "gemma3", "modernbert": "modernbert"}
 # Decoder model types: last-token pooling by default, causal unless the config says otherwise
 # (EmbeddingGemma's says use_bidirectional_attention).
 DECODERS = ("qwen2", "qwen3", "gemma3_text")
 # Model types served as rerankers: sequence classification, or Qwen3-Reranker's yes/no logits.
-RERANKERS = ("bert", "roberta", "xlm-roberta", "qwen3")
+RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen3")
 # Model types whose positions start at padding index + 1 (fairseq numbering).
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
 
@@ -240,6 +240,8 @@ def load_model_spec(
 
     if task == "rerank":  # the score reads the [CLS] state (cross-encoder) or the last token (LLM)
         default_pooling = "last" if is_decoder else "cls"
+        if hf_config.get("classifier_pooling") == "mean":  # ModernBERT's sequence classification
+            default_pooling = "mean"
     pooling = pooling or st_pooling or default_pooling
     _check_dense(path, dense, pooling, int(hf_config["hidden_size"]))
     return ModelSpec(

@@ -54,10 +54,11 @@ def qwen3_reranker_body(instruction: str, query: str, document: str) -> str:
 
 
 def reranker_kind(spec: ModelSpec) -> RerankKind:
-    """"cross-encoder" (BERT + classifier head) or "qwen3-reranker" (yes/no logits of a causal LM)."""
+    """"qwen3-reranker" (yes/no logits of a causal LM) or "cross-encoder" (an encoder with a
+    sequence-classification head: BERT, XLM-RoBERTa, ModernBERT)."""
     if spec.task != "rerank":
         raise ValueError(f"{spec.path} is served as {spec.task!r}, not as a reranker")
-    return "cross-encoder" if spec.architecture == "bert" else "qwen3-reranker"
+    return "qwen3-reranker" if spec.architecture == "qwen3" else "cross-encoder"
 
 
 class AnswerIds(NamedTuple):

@@ -602,24 +602,32 @@ QWEN2_SHAPES: dict[str, dict[str, Any]] = {
 QWEN2_EOS = "<|endoftext|>"
 
 
-def save_byte_level_bpe_tokenizer(out: Path, max_length: int, eos: str = QWEN2_EOS, bos: str | None = None,
-                                  pad: str | None = None, padding_side: str = "left") -> int:
-    """A byte-level BPE tokenizer trained on TOKENIZER_CORPUS that appends `eos` to every text (the
-    token gte-Qwen2's last-token pooling reads) and starts it with `bos` if given; returns its size."""
+def train_byte_level_bpe(specials: list[str], single: str, pair: str) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on TOKENIZER_CORPUS with `specials` first
+    and the post-processor template `single` / `pair` (tokenizers' TemplateProcessing strings)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = list(dict.fromkeys(t for t in (pad, eos, bos) if t))
     trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer)
+    used = [t for t in specials if t in single or t in pair]
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                       special_tokens=[(t, tok.token_to_id(t)) for t in used])
+    return tok
+
+
+def save_byte_level_bpe_tokenizer(out: Path, max_length: int, eos: str = QWEN2_EOS, bos: str | None = None,
+                                  pad: str | None = None, padding_side: str = "left") -> int:
+    """A trained byte-level BPE tokenizer that appends `eos` to every text (the token gte-Qwen2's
+    last-token pooling reads) and starts it with `bos` if given; returns its size."""
+    from transformers import PreTrainedTokenizerFast
+
     start = f"{bos} " if bos else ""
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{start}$A {eos}", pair=f"{start}$A {eos} $B:1 {eos}:1",
-        special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos) if t])
+    tok = train_byte_level_bpe(list(dict.fromkeys(t for t in (pad, eos, bos) if t)),
+                               f"{start}$A {eos}", f"{start}$A {eos} $B:1 {eos}:1")
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=pad or eos,
                                       padding_side=padding_side, model_max_length=max_length)
     wrapped.save_pretrained(str(out))
@@ -689,4 +697,69 @@ def make_gemma3_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     dense = [Dense(h, dense_width, bias=False, activation_function=torch.nn.Identity()),
              Dense(dense_width, h, bias=False, activation_function=torch.nn.Identity())]
     write_sentence_transformers_files(out, h, "mean", max_seq_length, dense=dense, prompts=EMBEDDINGGEMMA_PROMPTS)
+    return out
+
+
+MODERNBERT_SHAPES: dict[str, dict[str, Any]] = {
+    # Exactly Alibaba-NLP/gte-modernbert-base (ModernBERT-base: 22 layers, 8192 tokens, window 128).
+    "gte-modernbert-base": dict(num_hidden_layers=22, hidden_size=768, intermediate_size=1152, num_attention_heads=12,
+                                local_attention=128, max_position_embeddings=8192, vocab_size=50368),
+    # Same structure at CI size (layers 0 and 3 global, 1-2 local), a window of 16 tokens so that
+    # the tests' texts cross it.
+    "tiny": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 local_attention=16, max_position_embeddings=8192, vocab_size=None),
+}
+
+
+def save_modernbert_tokenizer(out: Path, max_length: int) -> int:
+    """ModernBERT's tokenizer layout: byte-level BPE, [CLS] text [SEP], pairs [CLS] a [SEP] b [SEP]
+    (segment ids all 0: the model has no token types); returns its size."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    tok = train_byte_level_bpe(specials, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B [SEP]")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                            pad_token="[PAD]", mask_token="[MASK]", model_max_length=max_length,
+                            model_input_names=["input_ids", "attention_mask"]).save_pretrained(str(out))
+    return tok.get_vocab_size()
+
+
+def modernbert_config(shape: str, vocab_size: int, **extra: Any) -> Any:
+    from transformers import ModernBertConfig
+
+    s = dict(MODERNBERT_SHAPES[shape])
+    s["vocab_size"] = s["vocab_size"] or vocab_size
+    return ModernBertConfig(**s, global_attn_every_n_layers=3, pad_token_id=3, cls_token_id=1, sep_token_id=2,
+                            bos_token_id=1, eos_token_id=2, **extra)
+
+
+def make_modernbert_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32",
+                           max_seq_length: int = 8192) -> Path:
+    """A gte-modernbert-base-layout embedder (ModernBertModel weights, CLS pooling + Normalize)
+    with seeded random weights and a trained byte-level BPE tokenizer."""
+    from transformers import ModernBertModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    size = save_modernbert_tokenizer(out, max_seq_length)
+    torch.manual_seed(seed)
+    model = perturb_(ModernBertModel(modernbert_config(shape, size)), seed)
+    _save_hf_model(model, out, _torch_dtype(dtype))
+    write_sentence_transformers_files(out, model.config.hidden_size, "cls", max_seq_length)
+    return out
+
+
+def make_modernbert_reranker_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0,
+                                    dtype: str = "float32", classifier_pooling: str = "mean") -> Path:
+    """A gte-reranker-modernbert-base-layout ModernBertForSequenceClassification (one label, mean
+    classifier pooling) with seeded random weights and a trained byte-level BPE tokenizer."""
+    from transformers import ModernBertForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    size = save_modernbert_tokenizer(out, 8192)
+    torch.manual_seed(seed)
+    config = modernbert_config(shape, size, num_labels=1, classifier_pooling=classifier_pooling)
+    model = perturb_(ModernBertForSequenceClassification(config), seed)
+    _save_hf_model(model, out, _torch_dtype(dtype))
     return out

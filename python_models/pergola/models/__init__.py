@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "mpnet": ("pergola.models.mpnet", "MPNetModel"),
     "qwen3": ("pergola.models.qwen3", "Qwen3Model"),
     "gemma3": ("pergola.models.gemma3", "Gemma3TextModel"),
+    "modernbert": ("pergola.models.modernbert", "ModernBertModel"),
 }
 
 # Architectures whose attention is causal or bidirectional as the folder says (the `causal` argument).
@@ -45,6 +46,12 @@ class Model(nn.Module):
 
     def post_load(self) -> None:
         """Fill what is computed rather than read (RoPE tables), once the weights are in."""
+
+
+def classifier_scores(logits: torch.Tensor) -> torch.Tensor:
+    """[B, num_labels] fp32 logits of a sequence-classification head -> scores: one label, its
+    sigmoid, as sentence-transformers' CrossEncoder applies by default; several, the raw logits."""
+    return torch.sigmoid(logits) if logits.shape[1] == 1 else logits
 
 
 def model_class(architecture: str) -> type[Model]:

@@ -19,7 +19,7 @@ from torch import nn
 from pergola.hf_folder import head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models import Model
+from pergola.models import Model, classifier_scores
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -142,14 +142,10 @@ class BertModel(Model):
                 self.classifier = Linear(h, labels, bias=True)
 
     def score(self, cls_states: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 scores.
-
-        One label: sigmoid, as sentence-transformers' CrossEncoder applies by default; several:
-        the raw logits."""
+        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 scores (`classifier_scores`)."""
         dense, out = ((self.classifier.dense, self.classifier.out_proj) if is_roberta(self.config)
                       else (self.pooler.dense, self.classifier))
-        logits = out(torch.tanh(dense(cls_states.to(dense.weight.dtype)))).float()
-        return torch.sigmoid(logits) if logits.shape[1] == 1 else logits
+        return classifier_scores(out(torch.tanh(dense(cls_states.to(dense.weight.dtype)))).float())
 
     def forward(
         self,

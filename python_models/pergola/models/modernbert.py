@@ -1,0 +1,163 @@
+"""ModernBERT encoder (gte-modernbert, nomic-modernbert, gte-reranker-modernbert) over flat tokens: [T, hidden].
+
+Unpadded, as ModernBERT was designed. Module and weight names follow Hugging Face's
+`ModernBertModel` (its q/k/v and the GeGLU's input/gate are already one matmul each: `Wqkv`, `Wi`).
+As HF computes it: pre-norm LayerNorms without bias (the first layer has no attention norm),
+no biases in the projections, RoPE with a global base on full layers and a local base on
+sliding ones, and the GLU `act(input) * gate`. Every `global_attn_every_n_layers`-th layer
+(from the first) attends to the whole sequence; the others to keys with |q - k| <= local_attention / 2.
+
+The ragged kernels take no window: a sliding layer uses them when no sequence of the step is
+longer than the half-window + 1 (then the window excludes nothing), and otherwise the band
+attention of models/padded.py (SDPA over a padded grid). On the GPU the window belongs in the
+kernel: FlashAttention's `window_size=(w, w)` with w = local_attention / 2, or a band test on the
+key index in pergola's Triton kernel; FlashInfer's `window_left` is causal only.
+
+`ModernBertForSequenceClassification` rerankers: `classifier_pooling` (CLS or mean) -> head
+(dense, activation, LayerNorm) -> classifier.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pergola.hf_folder import ModelFolderError, head_dim
+from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.linear import Linear
+from pergola.models import Model, classifier_scores
+from pergola.models.bert import ACTIVATIONS
+from pergola.models.padded import BandAttention
+from pergola.models.qwen3 import RotaryEmbedding, apply_rope
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Each layer's attention: the config's `layer_types` (transformers 5), else every
+    `global_attn_every_n_layers`-th layer from layer 0 is full (4.x configs)."""
+    every = int(cfg.get("global_attn_every_n_layers", 3))
+    return cfg.get("layer_types") or [FULL if i % every == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
+
+
+def rope_thetas(cfg: dict[str, Any]) -> dict[str, float]:
+    """RoPE base per layer type: `rope_parameters` (transformers 5) or `global_rope_theta` /
+    `local_rope_theta` (4.x; 160000 / 10000 by default)."""
+    params = cfg.get("rope_parameters") or {}
+    thetas = {}
+    for kind, key, default in ((FULL, "global_rope_theta", 160000.0), (SLIDING, "local_rope_theta", 10000.0)):
+        p = params.get(kind) or {}
+        if (p.get("rope_type") or "default") != "default":
+            raise ModelFolderError(f"ModernBERT with rope type {p['rope_type']!r} is not supported")
+        thetas[kind] = float(p.get("rope_theta") or cfg.get(key) or default)
+    return thetas
+
+
+def layer_norm(cfg: dict[str, Any]) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg["hidden_size"], eps=cfg.get("norm_eps", 1e-5), bias=cfg.get("norm_bias", False))
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_type: str) -> None:
+        super().__init__()
+        h, bias = cfg["hidden_size"], cfg.get("attention_bias", False)
+        self.num_heads, self.head_dim = cfg["num_attention_heads"], head_dim(cfg)
+        self.Wqkv = Linear(h, 3 * h, bias=bias)  # q | k | v, heads contiguous in each
+        self.Wo = Linear(h, h, bias=bias)
+        # Keys with |q - k| < window are seen (HF: <= local_attention // 2).
+        self.window = int(cfg.get("local_attention", 128)) // 2 + 1 if layer_type == SLIDING else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
+                attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # each [T, H, D]
+        q, k = apply_rope(q, k, rope, positions)
+        if self.window is not None and meta.max_seqlen > self.window:
+            out = band(q, k, v, self.window)
+        else:
+            out = attn(q, k, v, meta)
+        return self.Wo(out.reshape(t, -1))
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        h, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
+        self.Wi = Linear(h, 2 * inter, bias=bias)  # input | gate
+        self.Wo = Linear(inter, h, bias=bias)
+        self.act = ACTIVATIONS[cfg.get("hidden_activation", "gelu")]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        value, gate = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(self.act(value) * gate)
+
+
+class ModernBertEncoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], index: int, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.attn_norm = layer_norm(cfg) if index > 0 else nn.Identity()  # layer 0: the embedding norm serves
+        self.attn = ModernBertAttention(cfg, layer_type)
+        self.mlp_norm = layer_norm(cfg)
+        self.mlp = ModernBertMLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
+                attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope, meta, attn, band)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ModernBertModel(Model):
+    """Returns the last hidden states [num_tokens, hidden] (after the final norm) of a ragged batch."""
+
+    checkpoint_prefixes = ("model.",)  # ModernBertForSequenceClassification checkpoints
+    causal = False
+
+    def __init__(self, cfg: dict[str, Any], task: str = "embed") -> None:
+        super().__init__()
+        for key in ("hidden_activation", "classifier_activation"):
+            if cfg.get(key, "gelu") not in ACTIVATIONS:
+                raise ModelFolderError(f"ModernBERT with {key} {cfg[key]!r} is not supported; "
+                                       f"supported: {sorted(ACTIVATIONS)}")
+        self.config = cfg
+        types = layer_types(cfg)
+        self.embeddings = nn.Module()
+        self.embeddings.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embeddings.norm = layer_norm(cfg)
+        self.layers = nn.ModuleList(ModernBertEncoderLayer(cfg, i, types[i]) for i in range(cfg["num_hidden_layers"]))
+        self.final_norm = layer_norm(cfg)
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim(cfg), cfg["max_position_embeddings"], theta)
+                                     for kind, theta in rope_thetas(cfg).items()})
+        if task == "rerank":  # ModernBertForSequenceClassification: head (dense, act, norm), classifier
+            h = cfg["hidden_size"]
+            self.head = nn.Module()
+            self.head.dense = Linear(h, h, bias=cfg.get("classifier_bias", False))
+            self.head.norm = layer_norm(cfg)
+            self.classifier = Linear(h, len(cfg.get("id2label") or {0: "LABEL_0"}), bias=True)
+            self.head_act = ACTIVATIONS[cfg.get("classifier_activation", "gelu")]
+
+    def post_load(self) -> None:
+        for rope in self.rotary.values():
+            rope.fill()
+
+    def score(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] fp32 pooled states (CLS or mean, as classifier_pooling says) -> [B, num_labels]
+        fp32 (`classifier_scores`)."""
+        x = self.head.norm(self.head_act(self.head.dense(pooled.to(self.head.dense.weight.dtype))))
+        return classifier_scores(self.classifier(x).float())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, restarting at 0 for every sequence
+        token_types: torch.Tensor,  # [T] ignored (no segment embeddings)
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
+        band = BandAttention(meta, positions, self.config["max_position_embeddings"])
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary[layer.layer_type], meta, attn, band)
+        return self.final_norm(x)
