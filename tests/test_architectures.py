@@ -259,3 +259,49 @@ def test_modernbert_reranker_matches_transformers(modernbert_folders):
     np.testing.assert_allclose(ours, sequence_classification_scores(folder, QUERY, DOCS), atol=1e-4, rtol=0)
     singles = np.array([engine_scores(engine, QUERY, [d])[0] for d in DOCS])
     np.testing.assert_allclose(ours, singles, atol=1e-5, rtol=0)
+
+
+# --- Configs as transformers 4.x wrote them (the published folders) -------------------------------
+
+def as_transformers4_config(cfg: dict, model_type: str) -> dict:
+    """config.json in the 4.x layout of the published EmbeddingGemma / ModernBERT folders: RoPE
+    bases as top-level keys instead of `rope_parameters`, ModernBERT's layer pattern as
+    `global_attn_every_n_layers` instead of `layer_types`."""
+    out = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    params = cfg["rope_parameters"]
+    if model_type == "gemma3_text":
+        out.update(rope_theta=params["full_attention"]["rope_theta"],
+                   rope_local_base_freq=params["sliding_attention"]["rope_theta"], rope_scaling=None)
+    else:
+        out.pop("layer_types")
+        out.update(global_rope_theta=params["full_attention"]["rope_theta"],
+                   local_rope_theta=params["sliding_attention"]["rope_theta"], global_attn_every_n_layers=3)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "modernbert"])
+def test_transformers4_configs_read_the_same(tmp_path, decoder_folders, modernbert_folders, kind):
+    import json
+
+    src = decoder_folders["gemma3"] if kind == "gemma3" else modernbert_folders["embed"]
+    dst = tmp_path / kind
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name != "config.json":
+            (dst / item.name).symlink_to(item)
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["rope_parameters"]["full_attention"]["rope_theta"] != cfg["rope_parameters"]["sliding_attention"]["rope_theta"]
+    (dst / "config.json").write_text(json.dumps(as_transformers4_config(cfg, cfg["model_type"])))
+    expected = embed(engine_for(src), TEXTS)
+    np.testing.assert_allclose(embed(engine_for(dst), TEXTS), expected, atol=1e-6, rtol=0)
+
+
+# --- RoBERTa ----------------------------------------------------------------------------------------
+
+def test_roberta_matches_sentence_transformers(tmp_path):
+    """RoBERTa: XLM-R's network (models/bert.py, positions after the padding index)."""
+    from pergola.testing import make_xlm_roberta_folder
+
+    folder = make_xlm_roberta_folder(tmp_path / "roberta", pooling="mean", seed=12, model_type="roberta")
+    assert load_model_spec(folder).hf_config["model_type"] == "roberta"
+    assert_matches_sentence_transformers(engine_for(folder), folder, XLMR_TEXTS)

@@ -498,29 +498,34 @@ def write_sentence_transformers_files(out: Path, dim: int, pooling: str, max_seq
         path.chmod(0o644)
 
 
-def xlm_roberta_config(shape: str, vocab_size: int, num_labels: int | None = None) -> Any:
-    from transformers import XLMRobertaConfig
+def xlm_roberta_config(shape: str, vocab_size: int, num_labels: int | None = None,
+                       model_type: str = "xlm-roberta") -> Any:
+    from transformers import RobertaConfig, XLMRobertaConfig
 
     s = dict(XLMR_SHAPES[shape])
     s["vocab_size"] = s["vocab_size"] or vocab_size
     extra = {"num_labels": num_labels} if num_labels else {}
-    return XLMRobertaConfig(**s, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                            layer_norm_eps=1e-5, **extra)
+    config_class = XLMRobertaConfig if model_type == "xlm-roberta" else RobertaConfig
+    return config_class(**s, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                        layer_norm_eps=1e-5, **extra)
 
 
 def make_xlm_roberta_folder(out_dir: str | Path, shape: str = "tiny", pooling: str = "cls", seed: int = 0,
-                            dtype: str = "float32", dense: list[Any] | None = None) -> Path:
+                            dtype: str = "float32", dense: list[Any] | None = None,
+                            model_type: str = "xlm-roberta") -> Path:
     """An XLM-RoBERTa embedder folder (bge-m3 layout: XLMRobertaModel weights, CLS pooling +
     Normalize; `pooling="mean"` is multilingual-e5's) with seeded random weights and a trained
-    Unigram tokenizer. `dense`: sentence-transformers Dense modules placed after pooling."""
-    from transformers import XLMRobertaModel
+    Unigram tokenizer. `dense`: sentence-transformers Dense modules placed after pooling;
+    `model_type="roberta"`: the same as a RobertaModel folder."""
+    from transformers import RobertaModel, XLMRobertaModel
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     max_len = min(512, XLMR_SHAPES[shape]["max_position_embeddings"] - 2)
     vocab_size = save_xlm_roberta_tokenizer(out, max_len)
     torch.manual_seed(seed)
-    model = perturb_(XLMRobertaModel(xlm_roberta_config(shape, vocab_size)), seed)
+    model_class = XLMRobertaModel if model_type == "xlm-roberta" else RobertaModel
+    model = perturb_(model_class(xlm_roberta_config(shape, vocab_size, model_type=model_type)), seed)
     _save_hf_model(model, out, _torch_dtype(dtype))
     write_sentence_transformers_files(out, model.config.hidden_size, pooling, max_len, dense=dense)
     return out
@@ -656,6 +661,13 @@ def make_qwen2_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, d
     return out
 
 
+def rope_bases(full: float, sliding: float) -> dict[str, dict[str, Any]]:
+    """transformers 5 `rope_parameters` with a base per layer type; the tiny shapes use bases
+    unlike the defaults, so a reader that falls back to a default is caught."""
+    return {"full_attention": {"rope_type": "default", "rope_theta": full},
+            "sliding_attention": {"rope_type": "default", "rope_theta": sliding}}
+
+
 GEMMA3_SHAPES: dict[str, dict[str, Any]] = {
     # Exactly google/embeddinggemma-300m (5 sliding-window layers of 512 per full one, 2048 tokens).
     "embeddinggemma-300m": dict(num_hidden_layers=24, hidden_size=768, intermediate_size=1152, num_attention_heads=3,
@@ -665,7 +677,8 @@ GEMMA3_SHAPES: dict[str, dict[str, Any]] = {
     # query_pre_attn_scalar unlike head_dim, so the attention scale is checked too.
     "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=16, vocab_size=None,
-                 layer_types=["sliding_attention", "full_attention"], dense=256),
+                 layer_types=["sliding_attention", "full_attention"], dense=256,
+                 rope_parameters=rope_bases(500000.0, 20000.0)),
 }
 EMBEDDINGGEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
 
@@ -707,7 +720,8 @@ MODERNBERT_SHAPES: dict[str, dict[str, Any]] = {
     # Same structure at CI size (layers 0 and 3 global, 1-2 local), a window of 16 tokens so that
     # the tests' texts cross it.
     "tiny": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                 local_attention=16, max_position_embeddings=8192, vocab_size=None),
+                 local_attention=16, max_position_embeddings=8192, vocab_size=None,
+                 rope_parameters=rope_bases(80000.0, 5000.0)),
 }
 
 
