@@ -34,7 +34,9 @@ def engine_for(folder: Path, **overrides) -> Engine:
 
 def embed(engine: Engine, texts: list[str], prompt: str | None = None) -> np.ndarray:
     enc = TextTokenizer(engine.spec).encode(texts, prompt_name=prompt)
-    pooled = engine.encode([EncodeRequest(enc.input_ids, enc.lengths, enc.prompt_lengths)])[0]
+    request = EncodeRequest(enc.input_ids, enc.lengths, enc.prompt_lengths)
+    engine.validate(request)
+    pooled = engine.encode([request])[0]
     return finish(pooled, 0, engine.spec.normalize)
 
 
@@ -59,7 +61,9 @@ def assert_matches_sentence_transformers(engine: Engine, folder: Path, texts: li
 
 def engine_scores(engine: Engine, query: str, docs: list[str]) -> np.ndarray:
     enc = RerankTokenizer(engine.spec).encode(query, docs)
-    return engine.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0][:, 0]
+    request = EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)
+    engine.validate(request)  # as the server does: segment ids the model does not embed are refused
+    return engine.encode([request])[0][:, 0]
 
 
 def sequence_classification_scores(folder: Path, query: str, docs: list[str]) -> np.ndarray:

@@ -73,6 +73,11 @@ class ModelSpec:
         return self.dense[-1].out_features if self.dense else int(self.hf_config["hidden_size"])
 
     @property
+    def type_vocab_size(self) -> int:
+        """Segment ids the model embeds: BERT's 2; 1 (none) for XLM-R, MPNet, ModernBERT, decoders."""
+        return int(self.hf_config.get("type_vocab_size") or 1)
+
+    @property
     def num_labels(self) -> int:
         return len(self.hf_config.get("id2label") or {0: "LABEL_0"})
 

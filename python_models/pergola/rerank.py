@@ -222,8 +222,11 @@ class RerankTokenizer:
             parts += self.template.ids(q, x)
             types += self.template.types(len(q), len(x))
         lengths = np.fromiter((len(q) + len(x) + self.template.added for x in ids), dtype=np.int32, count=len(ids))
-        return RerankEncoded(input_ids=np.concatenate(parts), lengths=lengths,
-                             token_type_ids=np.concatenate(types), truncated=truncated)
+        # A model without segment embeddings (XLM-R, ModernBERT) reads none: its HF tokenizer does not
+        # return them, whatever the pair template marks the document with.
+        type_ids = np.concatenate(types) if self.spec.type_vocab_size > 1 else np.zeros(lengths.sum(), np.int64)
+        return RerankEncoded(input_ids=np.concatenate(parts), lengths=lengths, token_type_ids=type_ids,
+                             truncated=truncated)
 
     def _encode_qwen3(self, query: str, documents: list[str], mode: str, max_document_tokens: int | None,
                       instruction: str) -> RerankEncoded:

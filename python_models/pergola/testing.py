@@ -727,11 +727,12 @@ MODERNBERT_SHAPES: dict[str, dict[str, Any]] = {
 
 def save_modernbert_tokenizer(out: Path, max_length: int) -> int:
     """ModernBERT's tokenizer layout: byte-level BPE, [CLS] text [SEP], pairs [CLS] a [SEP] b [SEP]
-    (segment ids all 0: the model has no token types); returns its size."""
+    with BERT's segment ids in the template (the document 1), though the model has no token types
+    and the tokenizer returns none (model_input_names); returns its size."""
     from transformers import PreTrainedTokenizerFast
 
     specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
-    tok = train_byte_level_bpe(specials, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B [SEP]")
+    tok = train_byte_level_bpe(specials, "[CLS]:0 $A:0 [SEP]:0", "[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1")
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
                             pad_token="[PAD]", mask_token="[MASK]", model_max_length=max_length,
                             model_input_names=["input_ids", "attention_mask"]).save_pretrained(str(out))
