@@ -38,6 +38,19 @@ IN_FLIGHT = Gauge("pergola_gateway_requests_in_flight", "requests being answered
                   multiprocess_mode="livesum")
 
 
+class StatusSend:
+    """An ASGI `send` that remembers the answer's status: 500 until one starts (what the client
+    sees when the app fails before answering)."""
+
+    def __init__(self, send: Callable) -> None:
+        self.send, self.status = send, 500
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class RequestMetrics:
     """ASGI middleware that times every HTTP request and counts its status."""
 
@@ -50,22 +63,15 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         route = scope["path"] if scope["path"] in self.paths else "other"
-        status = 500  # what the client sees when the app fails before answering
-
-        async def send_status(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        answer = StatusSend(send)
         started = time.perf_counter()
         IN_FLIGHT.inc()
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, answer)
         finally:
             IN_FLIGHT.dec()
             DURATION.labels(route).observe(time.perf_counter() - started)
-            REQUESTS.labels(route, str(status)).inc()
+            REQUESTS.labels(route, str(answer.status)).inc()
 
 
 def registry() -> CollectorRegistry:

@@ -18,6 +18,8 @@ import re
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
+from pergola.gateway.metrics import StatusSend
+
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 _current: ContextVar[str | None] = ContextVar("traceparent", default=None)
 
@@ -67,22 +69,15 @@ class TraceContext:
 
         parent = _traceparent(scope)
         context = TraceContextTextMapPropagator().extract({"traceparent": parent} if parent else {})
-        status = 500  # what the client sees when the app fails before answering
-
-        async def send_status(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        answer = StatusSend(send)
         with tracer().start_as_current_span(f"{scope['method']} {scope['path']}", context=context,
                                             kind=SpanKind.SERVER) as span:
             span.set_attributes({"http.request.method": scope["method"], "url.path": scope["path"]})
             try:
-                await self.app(scope, receive, send_status)
+                await self.app(scope, receive, answer)
             finally:
-                span.set_attribute("http.response.status_code", status)
-                if status >= 500:
+                span.set_attribute("http.response.status_code", answer.status)
+                if answer.status >= 500:
                     span.set_status(Status(StatusCode.ERROR))
 
 
