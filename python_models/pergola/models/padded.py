@@ -64,6 +64,11 @@ class BandAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
         layout, mask = self._build(window)
-        out = F.scaled_dot_product_attention(layout.pad(q), layout.pad(k), layout.pad(v), attn_mask=mask,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        if q.shape[1] != k.shape[1]:
+            # Key/value heads repeated for each query head (GQA), so that any fused SDPA kernel that
+            # takes a mask qualifies: not all of them take enable_gqa, and the math fallback holds
+            # [B, H, L, L] fp32 scores.
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(layout.pad(q), layout.pad(k), layout.pad(v), attn_mask=mask)
         return layout.unpad(out)
