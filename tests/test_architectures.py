@@ -309,3 +309,23 @@ def test_roberta_matches_sentence_transformers(tmp_path):
     folder = make_xlm_roberta_folder(tmp_path / "roberta", pooling="mean", seed=12, model_type="roberta")
     assert load_model_spec(folder).hf_config["model_type"] == "roberta"
     assert_matches_sentence_transformers(engine_for(folder), folder, XLMR_TEXTS)
+
+
+# --- What is refused ------------------------------------------------------------------------------
+
+def test_unsupported_folders_are_refused_by_name(tmp_path, xlmr_folders):
+    import json
+    import shutil
+
+    from pergola.hf_folder import ModelFolderError
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    shutil.copy(xlmr_folders["cls"] / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5EncoderModel"]}))
+    with pytest.raises(ModelFolderError, match=r"model_type 't5' is not supported; supported: .*'modernbert'"):
+        load_model_spec(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "mpnet", "hidden_size": 64,
+                                                    "architectures": ["MPNetForSequenceClassification"]}))
+    with pytest.raises(ModelFolderError, match="mpnet is served as an embedder only; rerankers: .*'xlm-roberta'"):
+        load_model_spec(folder)

@@ -1,7 +1,8 @@
 """Read a Hugging Face model folder (plus its sentence-transformers files) into a ModelSpec.
 
 Everything pergola needs to know about a model that the folder itself decides lives here:
-architecture, pooling, normalisation, truncation length, named prompts. Serving settings
+architecture, pooling, sentence-transformers Dense modules, normalisation, truncation length,
+named prompts. Serving settings
 (device, token budget, limits) live in `pergola.config.EngineConfig` instead.
 """
 
