@@ -32,10 +32,10 @@ VERSION = "pergola-gateway"
 
 def _truncation(body: Body, model: ServedModel) -> str | None:
     """TEI's `truncate` + `truncation_direction` as a mode (None: the model's default)."""
-    direction = body.get("truncation_direction", str, "Right").lower()
+    given = body.get("truncation_direction", str, "Right")
+    direction = given.lower()
     if direction not in ("left", "right"):
-        raise GatewayError(422, f"truncation_direction must be Left or Right, got {direction!r}",
-                           "truncation_direction")
+        raise GatewayError(422, f"truncation_direction must be Left or Right, got {given!r}", "truncation_direction")
     side = "START" if direction == "left" else "END"
     truncate = body.get("truncate", bool)
     if truncate is None:  # the model's default decides whether to cut, the request from which side
