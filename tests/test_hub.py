@@ -104,10 +104,16 @@ def test_a_snapshot_without_a_needed_file_is_refused_by_name(cache: Path, minilm
         resolve("org/partial")
 
 
-def test_download_refuses_what_is_not_an_id_and_fetches_from_the_cache(cache: Path, minilm_folder: Path):
+def test_download_refuses_what_is_not_an_id_and_fetches_from_the_cache(cache: Path, minilm_folder: Path, capsys):
     with pytest.raises(HubError, match="not a Hugging Face model id"):
         download(str(minilm_folder))
     assert download(f"{REPO_ID}@v1").revision == TAGGED
+    cli.main(["download", REPO_ID, f"{REPO_ID}@v1"])  # what an image build runs
+    assert capsys.readouterr().out.splitlines() == [
+        f"{REPO_ID}@{commit}: {cache / 'models--sentence-transformers--all-MiniLM-L6-v2' / 'snapshots' / commit}"
+        for commit in (MAIN, TAGGED)]
+    with pytest.raises(SystemExit, match="pergola download: org/absent is not a folder here"):
+        cli.main(["download", "org/absent"])
 
 
 def test_allow_patterns_take_what_pergola_reads_and_nothing_else():
