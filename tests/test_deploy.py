@@ -9,6 +9,7 @@ it installs from no package registry this project uses, and fetches its schemas 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -25,60 +26,74 @@ CHART = ROOT / "deploy" / "helm" / "pergola"
 RELEASE, NAMESPACE = "demo", "ml"
 
 
+# Helm's Go SDK runs in a child process: a Go runtime loaded into the test process would stay
+# there (its threads and signal handlers) for every test after this file.
+SDK = """
+import json, sys
+import helm_python as helm
+op, chart, values, release, namespace = json.load(sys.stdin)
+try:
+    if op == "render":
+        out = helm.Chart.load(chart).render(values, name=release, namespace=namespace, is_install=True)
+    else:
+        out = helm.lint(chart, values, strict=True)
+except helm.HelmError as e:
+    out = {"error": str(e)}
+json.dump(out, sys.stdout)
+"""
+
+
 def helm_backend() -> str | None:
     if shutil.which("helm"):
         return "binary"
-    try:
-        import helm_python  # noqa: F401
-    except (ImportError, OSError):
-        return None
-    return "sdk"
+    return "sdk" if importlib.util.find_spec("helm_python") else None
 
 
 needs_helm = pytest.mark.skipif(helm_backend() is None, reason="neither the helm binary nor helm-python-sdk "
                                                                "is installed: the chart is not rendered here")
 
 
-def render(values: dict[str, Any] | None = None, tmp: Path | None = None) -> dict[tuple[str, str], dict]:
-    """`helm template demo CHART -n ml` with `values`: (kind, name) -> object."""
-    if helm_backend() == "binary":
-        args = ["helm", "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
-        if values:
-            (tmp / "values.yaml").write_text(yaml.safe_dump(values))
-            args += ["-f", str(tmp / "values.yaml")]
-        text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    else:
-        import helm_python
+class HelmFailed(Exception):
+    """helm refused the chart or its values (the message is helm's)."""
 
-        chart = helm_python.Chart.load(str(CHART))
-        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
-        text = "\n---\n".join(v for k, v in manifests.items() if not k.endswith("NOTES.txt"))
-    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(text) if d}
+
+def helm(op: str, values: dict[str, Any] | None, tmp: Path) -> Any:
+    """`helm template` (op "render": its text) or `helm lint --strict` (op "lint": its findings)."""
+    if helm_backend() == "binary":
+        (tmp / "values.yaml").write_text(yaml.safe_dump(values or {}))
+        args = (["template", RELEASE, str(CHART), "--namespace", NAMESPACE] if op == "render"
+                else ["lint", "--strict", str(CHART)]) + ["-f", str(tmp / "values.yaml")]
+        done = subprocess.run(["helm", *args], capture_output=True, text=True)
+        if op == "lint":
+            return [] if done.returncode == 0 else [done.stdout + done.stderr]
+        if done.returncode:
+            raise HelmFailed(done.stderr)
+        return done.stdout
+    done = subprocess.run([sys.executable, "-c", SDK], input=json.dumps([op, str(CHART), values or {}, RELEASE,
+                                                                         NAMESPACE]),
+                          capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout)
+    if "error" in out:
+        raise HelmFailed(out["error"])
+    if op == "lint":
+        return out["errors"] + [f"{m['path']}: {m['error']}" for m in out["messages"] if m["severity"] >= 2]
+    return "\n---\n".join(v for k, v in out.items() if not k.endswith("NOTES.txt"))
+
+
+def render(values: dict[str, Any] | None, tmp: Path) -> dict[tuple[str, str], dict]:
+    """`helm template demo CHART -n ml` with `values`: (kind, name) -> object."""
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(helm("render", values, tmp)) if d}
 
 
 def render_error(values: dict[str, Any], tmp: Path) -> str:
-    try:
+    with pytest.raises(HelmFailed) as e:
         render(values, tmp)
-    except subprocess.CalledProcessError as e:
-        return e.stderr
-    except Exception as e:  # noqa: BLE001 - helm_python's HelmRenderError
-        return str(e)
-    raise AssertionError("the chart rendered")
+    return str(e.value)
 
 
 def lint(values: dict[str, Any] | None, tmp: Path) -> list[str]:
     """`helm lint --strict`: every warning and error (info lines such as "icon is recommended" aside)."""
-    if helm_backend() == "binary":
-        args = ["helm", "lint", "--strict", str(CHART)]
-        if values:
-            (tmp / "lint.yaml").write_text(yaml.safe_dump(values))
-            args += ["-f", str(tmp / "lint.yaml")]
-        done = subprocess.run(args, capture_output=True, text=True)
-        return [] if done.returncode == 0 else [done.stdout + done.stderr]
-    import helm_python
-
-    report = helm_python.lint(str(CHART), values, strict=True)
-    return report["errors"] + [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
+    return helm("lint", values, tmp)
 
 
 def container(obj: dict) -> dict:
