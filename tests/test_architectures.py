@@ -329,3 +329,59 @@ def test_unsupported_folders_are_refused_by_name(tmp_path, xlmr_folders):
                                                     "architectures": ["MPNetForSequenceClassification"]}))
     with pytest.raises(ModelFolderError, match="mpnet is served as an embedder only; rerankers: .*'xlm-roberta'"):
         load_model_spec(folder)
+
+
+# --- Steps shaped like CUDA-graph buckets (the GPU path), on the CPU ------------------------------
+
+class LoopAttention:
+    """Reference ragged attention: one SDPA call per sequence of cu_seqlens (empty ones skipped)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        cu = meta.cu_seqlens.tolist()
+        for start, end in zip(cu[:-1], cu[1:]):
+            if end > start:
+                one = [x[start:end].transpose(0, 1) for x in (q, k, v)]  # [H, L, D]
+                out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                    *one, is_causal=meta.causal, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+        return out
+
+
+def run_step(model, ids: np.ndarray, lengths: list[int], causal: bool, seqs: int = 0, tokens: int = 0) -> torch.Tensor:
+    """The model's hidden states for one step. seqs/tokens > 0: padded as a CUDA-graph bucket is
+    (engine/runner.StaticBuffers): padding tokens of id 0 and position 0 form one extra sequence,
+    empty sequences fill up to `seqs`, and the longest sequence is taken to be `tokens`."""
+    from pergola.engine.runner import host_inputs
+    from pergola.layers.attention import AttentionMetadata
+
+    n = len(ids)
+    positions = host_inputs(np.array(lengths), None)[0]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    longest = max(lengths)
+    if tokens:
+        ids = np.concatenate([ids, np.zeros(tokens - n, np.int64)])
+        positions = np.concatenate([positions, np.zeros(tokens - n, np.int64)])
+        cu = np.concatenate([cu, np.full(seqs - len(lengths), tokens)])
+        longest = tokens
+    meta = AttentionMetadata(cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=longest, causal=causal)
+    ids_t, pos_t = torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+    with torch.inference_mode():
+        return model(ids_t, pos_t, torch.zeros_like(ids_t), meta, LoopAttention())[:n]
+
+
+@pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet", "qwen2", "gemma3", "modernbert"])
+def test_graph_bucket_steps_equal_real_steps(kind, xlmr_folders, mpnet_folder, decoder_folders, modernbert_folders):
+    """A step padded to a bucket (more tokens and sequences, the longest sequence unknown) gives the
+    real tokens the states of the unpadded step: the padded-grid paths (MPNet's bias, the sliding
+    windows) bound their grid, skip empty sequences and keep padding apart. Lengths within the
+    tiny windows (7, 5) run the sliding layers on the ragged kernel unpadded and on the band padded."""
+    folder = {"xlm-roberta": xlmr_folders["mean"], "mpnet": mpnet_folder, "qwen2": decoder_folders["qwen2"],
+              "gemma3": decoder_folders["gemma3"], "modernbert": modernbert_folders["embed"]}[kind]
+    engine = engine_for(folder)
+    model, causal = engine.runner.model, engine.spec.causal
+    rng = np.random.default_rng(0)
+    for lengths in ([7, 5], [30, 12, 1]):
+        ids = rng.integers(3, engine.vocab_size, sum(lengths))
+        real = run_step(model, ids, lengths, causal)
+        bucket = run_step(model, ids, lengths, causal, seqs=len(lengths) + 3, tokens=64)
+        torch.testing.assert_close(bucket, real, atol=1e-5, rtol=1e-5)
