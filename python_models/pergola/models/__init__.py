@@ -30,7 +30,7 @@ ARCHITECTURES = {
 }
 
 # Architectures whose attention is causal or bidirectional as the folder says (the `causal` argument).
-DECODERS = ("qwen3", "gemma3")
+TAKES_CAUSAL = ("qwen3", "gemma3")
 
 
 class Model(nn.Module):
@@ -122,7 +122,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     """Instantiate the architecture without initialising it, load the folder's weights, and give
     each projection its rows of `tiles` (layers.linear.tiles_for this device)."""
     kwargs: dict = {"task": spec.task}
-    if spec.architecture in DECODERS:
+    if spec.architecture in TAKES_CAUSAL:
         kwargs["causal"] = spec.causal
     if spec.task == "rerank" and reranker_kind(spec) == "qwen3-reranker":
         kwargs["answer_ids"] = answer_ids(spec)
