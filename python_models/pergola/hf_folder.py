@@ -2,8 +2,8 @@
 
 Everything pergola needs to know about a model that the folder itself decides lives here:
 architecture, pooling, sentence-transformers Dense modules, normalisation, truncation length,
-named prompts. Serving settings
-(device, token budget, limits) live in `pergola.config.EngineConfig` instead.
+named prompts. Serving settings (device, token budget, limits) live in
+`pergola.config.EngineConfig` instead.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ class ModelSpec:
 
     @property
     def type_vocab_size(self) -> int:
-        """Segment ids the model embeds: BERT's 2; 1 (none) for XLM-R, MPNet, ModernBERT, decoders."""
-        return int(self.hf_config.get("type_vocab_size") or 1)
+        """Segment ids the model embeds: BERT's 2 (its default too); 1 (none) for XLM-R, MPNet,
+        ModernBERT and the decoders."""
+        default = 2 if self.hf_config.get("model_type") == "bert" else 1
+        return int(self.hf_config.get("type_vocab_size") or default)
 
     @property
     def num_labels(self) -> int:
