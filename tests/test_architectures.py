@@ -152,8 +152,9 @@ def test_xlm_roberta_served_end_to_end(tmp_path, xlmr_folders):
 
 def dense_modules(spec: list[tuple[int, int, bool, str]], seed: int) -> list:
     """sentence-transformers Dense modules (in, out, bias, activation) with seeded weights."""
-    from sentence_transformers.sentence_transformer.modules import Dense
+    from pergola.testing import st_modules
 
+    Dense = st_modules().Dense
     torch.manual_seed(seed)
     activations = {"identity": torch.nn.Identity, "tanh": torch.nn.Tanh}
     return [Dense(i, o, bias=b, activation_function=activations[a]()) for i, o, b, a in spec]

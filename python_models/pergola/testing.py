@@ -477,6 +477,16 @@ def _save_hf_model(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> Non
         path.chmod(0o644)
 
 
+def st_modules() -> Any:
+    """sentence-transformers' module classes (Transformer, Pooling, Dense, Normalize): where 6.x
+    keeps them, else `sentence_transformers.models` (5.x; deprecated in 6.x)."""
+    try:
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    return modules
+
+
 def write_sentence_transformers_files(out: Path, dim: int, pooling: str, max_seq_length: int,
                                       normalize: bool = True, dense: list[Any] | None = None,
                                       prompts: dict[str, str] | None = None) -> None:
@@ -486,7 +496,9 @@ def write_sentence_transformers_files(out: Path, dim: int, pooling: str, max_seq
     pooling: "mean", "cls" or "lasttoken"; dense: sentence_transformers Dense modules, in order.
     """
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    modules_ = st_modules()
+    Normalize, Pooling, Transformer = modules_.Normalize, modules_.Pooling, modules_.Transformer
 
     modules: list[Any] = [Transformer(str(out), max_seq_length=max_seq_length),
                           Pooling(dim, pooling_mode=pooling), *(dense or [])]
@@ -688,8 +700,9 @@ def make_gemma3_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     """An EmbeddingGemma-layout folder: Gemma3TextModel weights (bidirectional), mean pooling,
     Dense hidden -> dense -> hidden without bias or activation, Normalize, its query/document
     prompts; seeded random weights and a trained byte-level BPE tokenizer (<bos> text <eos>)."""
-    from sentence_transformers.sentence_transformer.modules import Dense
     from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    Dense = st_modules().Dense
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
