@@ -124,3 +124,30 @@ def test_the_encoder_observes_each_steps_time_tokens_and_queue_waits():
     assert hist["queue_wait"].counts[0] == 1  # the job that did not wait
     assert metrics._info.labels == {"model": "m", "attention": "graph:torch_flash", "hub_id": "org/name",
                                     "revision": "abc", "dtype": "float32"} and metrics._info.value == 1
+
+
+def test_while_busy_histograms_go_out_with_every_tenth_flush_and_all_of_them_once_idle():
+    from types import SimpleNamespace
+
+    from pergola.metrics import HISTOGRAM_FLUSHES
+
+    FakeFamily.log.clear()
+    metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.01)
+    loop = SimpleNamespace(throughput=SimpleNamespace(last=(64, 0.001)), completed=[])
+
+    def bucket_updates() -> int:
+        return sum(1 for labels, _ in FakeFamily.log if "le" in dict(labels))
+
+    metrics.update(stats(1), loop)  # the first flush sends everything
+    sent = bucket_updates()
+    assert sent > 0 and metrics._histograms_at > float("-inf")
+    time.sleep(0.012)
+    metrics.update(stats(2), loop)  # a counter flush, not yet the histograms'
+    assert totals(metrics)["requests"] == 2 and bucket_updates() == sent
+    assert metrics.histograms["step_tokens"]._count.value == 1
+    time.sleep(0.01 * HISTOGRAM_FLUSHES)
+    metrics.update(stats(3), loop)
+    assert metrics.histograms["step_tokens"]._count.value == 3
+    metrics.update(stats(4), loop)  # within the interval: kept here...
+    metrics.flush(stats(4))  # ...until the loop is idle
+    assert metrics.histograms["step_tokens"]._count.value == 4
