@@ -151,3 +151,18 @@ def test_while_busy_histograms_go_out_with_every_tenth_flush_and_all_of_them_onc
     metrics.update(stats(4), loop)  # within the interval: kept here...
     metrics.flush(stats(4))  # ...until the loop is idle
     assert metrics.histograms["step_tokens"]._count.value == 4
+
+
+def test_a_tokenizer_sends_its_histogram_a_tenth_as_often_and_all_of_it_at_close():
+    from pergola.metrics import HISTOGRAM_FLUSHES, TokenizerMetrics
+
+    metrics = TokenizerMetrics(FakePbUtils, "m_tokenizer", flush_s=0.01)
+    metrics.observe(0.001)  # the first goes out at once
+    metrics.observe(0.002)
+    assert metrics.seconds._count.value == 1
+    time.sleep(0.01 * HISTOGRAM_FLUSHES)
+    metrics.observe(0.003)
+    assert metrics.seconds._count.value == 3
+    metrics.observe(0.004)
+    metrics.close()  # finalize
+    assert metrics.seconds._count.value == 4 and abs(metrics.seconds._sum.value - 0.01) < 1e-12

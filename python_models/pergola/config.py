@@ -69,8 +69,8 @@ class EngineConfig:
                                  "own threads keep a core (on 2 cores, two threads stalled 4-10% of batch-1 "
                                  "requests ~0.5 s)")
     metrics_flush_s: float = option(1.0, "pergola's counters reach Triton at most this often (seconds; 0: after "
-                                         "every batch), the encoder's histograms a tenth as often while it is "
-                                         "busy: each update is a stub-to-server round trip")
+                                         "every batch), histograms a tenth as often: each update is a "
+                                         "stub-to-server round trip")
     task: str | None = option(None, "override what the folder says (rerank for a Qwen3-Reranker causal LM)",
                               choices=("embed", "rerank"))
     pooling: str | None = option(None, "override the folder's pooling", choices=("mean", "cls", "last"))
