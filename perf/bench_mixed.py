@@ -38,19 +38,21 @@ from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E4
 from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
 @contextlib.contextmanager
-def pergola_stack(folder: Path, workdir: Path, gpu: bool, **options) -> Iterator[tuple[ServerOptions, int]]:
+def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
+                  **options) -> Iterator[tuple[ServerOptions, int | None]]:
     """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway;
-    -> (server ports, gateway port) once both answer."""
+    -> (server ports, gateway port or None) once both answer."""
     entry = entry_from_folder(folder, NAME, **options)
     repo = build_repository(workdir / "repo", [entry], gpu=gpu)
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start(opts, log_path=workdir / "tritonserver.log")
-    gw_port = free_port()
-    gateway = spawn(GatewayOptions(triton=f"127.0.0.1:{opts.grpc_port}", gateway_port=gw_port,
-                                   gateway_bind="127.0.0.1", models=NAME))
+    gw_port = free_port() if gateway else None
+    gw = gw_port and spawn(GatewayOptions(triton=f"127.0.0.1:{opts.grpc_port}", gateway_port=gw_port,
+                                          gateway_bind="127.0.0.1", models=NAME))
     try:
         wait_ready(opts.http_port, server, timeout=300)
-        for _ in range(600):  # the gateway finds the model once the server is up
+        print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
+        for _ in range(600 if gw_port else 0):  # the gateway finds the model once the server is up
             try:
                 Gateway(gw_port).embed([1, 2, 3])
                 break
@@ -58,7 +60,8 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, **options) -> Iterator
                 time.sleep(0.1)
         yield opts, gw_port
     finally:
-        gateway.terminate()
+        if gw:
+            gw.terminate()
         server.terminate()
         server.wait(timeout=60)
 
@@ -91,13 +94,13 @@ def _gateway_text(port: int):
     return lambda: gw.embed([QUERY])
 
 
-def query_kinds(opts: ServerOptions, gw_port: int, windows: TokenWindows) -> mixed.QueryKinds:
+def query_kinds(opts: ServerOptions, gw_port: int | None, windows: TokenWindows) -> mixed.QueryKinds:
     grpc, http = f"127.0.0.1:{opts.grpc_port}", f"127.0.0.1:{opts.http_port}"
     ids = windows.ids(128, 1, seed=128)
     return {"grpc_ids_128": partial(_bound, grpc_ids_sender, grpc, ids),
             "http_ids_128": partial(_bound, http_ids_sender, http, ids),
-            "grpc_text": partial(_bound, grpc_text_sender, grpc, [QUERY]),
-            "gateway_text": partial(_gateway_text, gw_port)}
+            "grpc_text": partial(_bound, grpc_text_sender, grpc, [QUERY])} | (
+            {"gateway_text": partial(_gateway_text, gw_port)} if gw_port else {})
 
 
 def main() -> None:
@@ -109,6 +112,7 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="bulk client processes")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an encoder option for this run, e.g. query_tokens=0 (the single lane)")
+    p.add_argument("--no-gateway", action="store_true", help="Triton's doors only")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/mixed.json")
     args = p.parse_args()
@@ -120,7 +124,8 @@ def main() -> None:
                  "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "loads": {}}
     # No load shedding: the bulk clients keep more work queued than the default 10 s allows on a CPU.
-    with pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0, **options) as (opts, gw):
+    with pergola_stack(folder, workdir, args.device == "gpu", not args.no_gateway, max_queue_seconds=0.0,
+                       **options) as (opts, gw):
         kinds = query_kinds(opts, gw, windows)
         res["idle"] = mixed.idle_latency(kinds, args.n)
         print("idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()),

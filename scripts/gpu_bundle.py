@@ -63,6 +63,7 @@ WHEELS = [
     ("idna==3.20", "if:idna>=2.8"),
     ("sniffio==1.3.1", "if:sniffio>=1.1"),
     ("click==8.5.1", "if:click>=7"),
+    ("prometheus_client==0.26.0", "if:prometheus_client>=0.20"),  # the gateway's /metrics
     ("typing_extensions==4.16.0", "if:typing_extensions>=4.12"),
     # its tests' client (the openai SDK)
     ("openai==3.60.0", "site"),
