@@ -3,9 +3,9 @@
     python perf/plot_results.py perf/results/2026-12-02-5990553
 
 Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py),
-vllm.json or vllm_inproc.json (bench_vllm.py) and anatomy.json (anatomy.py); writes
-latency_batch1.png, throughput.png, concurrency.png, scoring.png, attention_kernels.png and
-anatomy.png next to them. A plot whose input file is missing is skipped with a note.
+vllm.json or vllm_inproc.json (bench_vllm.py) and anatomy.json (anatomy.py), mixed.json / mixed_one_lane.json (bench_mixed.py) and vLLM's
+mixed suite; writes latency_batch1.png, throughput.png, concurrency.png, scoring.png,
+attention_kernels.png, anatomy.png and mixed_timeline.png next to them. A plot whose input file is missing is skipped with a note.
 """
 
 from __future__ import annotations
@@ -251,6 +251,43 @@ def plot_anatomy(folder: Path, anatomy: Json | None) -> None:
     save(fig, folder, "anatomy.png")
 
 
+def vllm_mixed(folder: Path) -> Json | None:
+    """bench_vllm.py --suites mixed's suite, in the shape of bench_mixed.py's JSON."""
+    for name in ("vllm_mixed.json", "vllm.json"):
+        if (folder / name).exists():
+            suite = json.loads((folder / name).read_text()).get("suites", {}).get("mixed")
+            if suite and "loads" in suite:
+                return suite
+    return None
+
+
+def plot_mixed(folder: Path, runs: dict[str, Json | None]) -> None:
+    """Query latency over time per bulk load, as bulk starts and stops (bench_mixed.py's timeline):
+    one panel per load, one series per run (the query lane, one lane, vLLM)."""
+    runs = {label: r for label, r in runs.items() if r is not None}
+    if not runs:
+        return
+    loads = list(next(iter(runs.values()))["loads"])
+    fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), sharey=True, squeeze=False)
+    for ax, load_name in zip(axes[0], loads):
+        for (label, run), color in zip(runs.items(), ("#1f4e9c", "#8c8c8c", "#c2540a")):
+            row = run["loads"].get(load_name)
+            if row is None:
+                continue
+            tl = row["timeline"]
+            kind = tl["points"][0][2]  # the first query kind: the one timed before and after the bulk
+            pts = [(t, ms) for t, ms, k in tl["points"] if k == kind]
+            ax.plot([t for t, _ in pts], [ms for _, ms in pts], ".", ms=3, color=color, label=f"{label} ({kind})")
+            ax.axvspan(tl["bulk_start"], tl["bulk_stop"], color=color, alpha=0.06)
+        ax.set_yscale("log")
+        ax.set_title(f"{load_name}: bulk from 4 processes (shaded)")
+        ax.set_xlabel("seconds")
+    axes[0][0].set_ylabel("query latency, ms (log)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Batch-1 query latency under bulk load, {EMBED}, {SAME_RUN}")
+    save(fig, folder, "mixed_timeline.png")
+
+
 def main(folder: Path) -> None:
     eng, srv, sc = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json"))
     # vLLM: the full run (bench_vllm.py), else its in-process suite alone (gpu_session.sh vllm_inproc)
@@ -262,6 +299,9 @@ def main(folder: Path) -> None:
         lambda: plot_scoring(folder, sc, vl),
         lambda: plot_attention(folder, eng),
         lambda: plot_anatomy(folder, load(folder, "anatomy.json")),
+        lambda: plot_mixed(folder, {"pergola, query lane": load(folder, "mixed.json"),
+                                    "pergola, one lane": load(folder, "mixed_one_lane.json"),
+                                    "vLLM server": vllm_mixed(folder)}),
     ]
     for plot in plots:
         plot()
