@@ -183,11 +183,14 @@ def test_dense_modules_match_sentence_transformers(dense_folders, kind, width):
     assert out.shape == (len(XLMR_TEXTS), width)
 
 
-def test_nonlinear_dense_after_mean_pooling_is_refused(dense_folders):
-    from pergola.hf_folder import ModelFolderError
+def test_a_nonlinear_dense_after_mean_pooling_matches_sentence_transformers(tmp_path):
+    """Tanh after mean pooling does not commute with the mean: the stack runs on pooled rows."""
+    from pergola.testing import make_xlm_roberta_folder
 
-    with pytest.raises(ModelFolderError, match="activation Tanh after mean pooling is not supported"):
-        load_model_spec(dense_folders["cls-tanh"], pooling="mean")
+    dense = dense_modules([(64, 32, True, "tanh")], seed=7)
+    folder = make_xlm_roberta_folder(tmp_path / "mean-tanh", pooling="mean", seed=8, dense=dense)
+    out = assert_matches_sentence_transformers(engine_for(folder), folder, XLMR_TEXTS)
+    assert out.shape == (len(XLMR_TEXTS), 32)
 
 
 # --- MPNet --------------------------------------------------------------------------------------

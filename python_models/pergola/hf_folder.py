@@ -167,19 +167,12 @@ def _pooling_from_st(path: Path, modules: list[dict[str, Any]]
 
 
 def _check_dense(path: Path, dense: tuple[DenseModule, ...], pooling: Pooling, hidden: int) -> None:
-    """Dense modules run on every token before pooling (pooling.DenseStack), which equals
-    sentence-transformers' Dense after pooling when the Dense stack is affine (Identity
-    activations: it commutes with the mean) or the pooling picks one token (CLS, last)."""
+    """Each Dense module takes what the one before gives (the runner applies them after pooling,
+    as sentence-transformers does: pooling.DenseStack)."""
     widths = [hidden] + [d.out_features for d in dense]
     for d, width in zip(dense, widths):
         if d.in_features != width:
             raise ModelFolderError(f"{d.path}: in_features {d.in_features}, but its input is {width} wide")
-    nonlinear = [d for d in dense if d.activation != IDENTITY]
-    if nonlinear and pooling == "mean":
-        raise ModelFolderError(
-            f"{nonlinear[0].path}: a Dense module with activation {nonlinear[0].activation.rsplit('.', 1)[-1]} "
-            "after mean pooling is not supported (pergola applies Dense modules per token, which equals "
-            "pooling first only for Identity activations or CLS / last-token pooling)")
 
 
 def max_positions(hf_config: dict[str, Any]) -> int:

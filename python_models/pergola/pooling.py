@@ -37,10 +37,8 @@ def _dense_weights(module: DenseModule) -> dict[str, torch.Tensor]:
 class DenseStack(nn.Module):
     """sentence-transformers Dense modules, [N, in] -> [N, out], in the model's dtype.
 
-    The runner pools the model's output, so the stack runs on every token of the last hidden
-    states and pooling follows (`attach_dense`); hf_folder admits only folders where that equals
-    sentence-transformers' order (Identity activations, or CLS / last-token pooling). The cost is
-    one extra [T, in] x [in, out] matmul per Dense module.
+    Applied by the runner to the pooled [B, hidden] rows, as sentence-transformers does (so any
+    activation goes, after any pooling); inside the step, so CUDA graphs hold it too.
     """
 
     def __init__(self, modules: tuple[DenseModule, ...], device: torch.device, dtype: torch.dtype) -> None:
@@ -69,9 +67,8 @@ class DenseStack(nn.Module):
 
 def attach_dense(model: nn.Module, modules: tuple[DenseModule, ...], device: torch.device,
                  dtype: torch.dtype) -> None:
-    """Make `model`'s output [T, hidden] pass through the Dense stack: [T, out_features]."""
+    """Give `model` its Dense stack (`model.dense`), which the runner applies after pooling."""
     model.dense = DenseStack(modules, device, dtype)
-    model.register_forward_hook(lambda m, args, hidden: m.dense(hidden))
 
 
 def pool(

@@ -294,7 +294,10 @@ class ModelRunner:
         """-> pooled [B, hidden] fp32 on the device (a reranker: its scores [B, num_labels])."""
         hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
-        return self.model.score(pooled) if self.spec.task == "rerank" else pooled
+        if self.spec.task == "rerank":
+            return self.model.score(pooled)
+        dense = getattr(self.model, "dense", None)  # sentence-transformers Dense modules, after pooling
+        return pooled if dense is None else dense(pooled.to(self.dtype)).float()
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
