@@ -522,6 +522,48 @@ def test_no_triton_is_503_with_retry_after(tmp_path):
     assert headers.get("retry-after") == "1"
 
 
+def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_path, minilm_folder, reference):
+    """What `pergola serve` does: the gateway starts first and clients ask while Triton loads.
+    Each failed connection attempt lengthens gRPC's reconnect backoff (its default grows to 120 s),
+    so without a cap the first answer could come long after Triton is ready."""
+    from pergola.repo_builder import build_repository, entry_from_folder
+    from pergola.server import ServerOptions, free_port, start, wait_ready
+
+    opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
+                                               gpu=TEST_DEVICE == "gpu"),
+                         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False)
+    first_ok: list[float] = []
+    stop = threading.Event()
+
+    def client() -> None:  # a user retrying while the server starts
+        while not stop.is_set() and not first_ok:
+            if call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": "x"}, key=None)[0] == 200:
+                first_ok.append(time.monotonic())
+            time.sleep(0.2)
+
+    asker = threading.Thread(target=client)
+    proc = None
+    try:
+        asker.start()
+        time.sleep(8)  # failed attempts all along: the backoff has grown
+        proc = start(opts, log_path=tmp_path / "tritonserver.log")
+        wait_ready(opts.http_port, proc, timeout=240)
+        ready = time.monotonic()
+        asker.join(timeout=60)
+        status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS}, key=None)
+    finally:
+        stop.set()
+        gw.stop()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert first_ok, "the gateway never answered once Triton was ready"
+    print(f"first answer {first_ok[0] - ready:.2f} s after Triton was ready")
+    assert first_ok[0] - ready <= 3.0
+    assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
+
+
 def test_several_worker_processes_answer_alike(server, tmp_path, reference):
     """--gateway-workers 2: uvicorn's worker processes build the app from PERGOLA_* variables."""
     gw = start_gateway(tmp_path, server.grpc_url, "--gateway-workers", "2", "--api-key", KEY)

@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from pergola.admin import GRPC_ADMIN_HEADER
 from pergola.config import EngineConfig
 from pergola.errors import StringLimits
+from pergola.gateway.replicas import CONTROL_TIMEOUT_S
 from pergola.options import convert
 
 log = logging.getLogger("pergola.gateway")
@@ -59,7 +60,7 @@ def _settings(parameters: dict[str, Any]) -> dict[str, Any]:
 async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedModel | None:
     """The served model `name`, or None when it is not an ensemble of pergola's form."""
     try:
-        config = (await client.get_model_config(name, as_json=True))["config"]
+        config = (await client.get_model_config(name, as_json=True, client_timeout=CONTROL_TIMEOUT_S))["config"]
     except InferenceServerException:
         return None
     steps = config.get("ensemble_scheduling", {}).get("step", [])
@@ -68,7 +69,8 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
     target = steps[0]["model_name"].removesuffix("_tokenizer")
     task = "rerank" if any(i["name"] == "QUERY" for i in config.get("input", [])) else "embed"
     try:
-        encoder = (await client.get_model_config(f"{target}_encoder", as_json=True))["config"]
+        encoder = (await client.get_model_config(f"{target}_encoder", as_json=True,
+                                                 client_timeout=CONTROL_TIMEOUT_S))["config"]
     except InferenceServerException:
         return None
     return ServedModel(name, target, task, _settings(encoder.get("parameters", {})))
@@ -80,7 +82,8 @@ async def discover(client: grpcaio.InferenceServerClient, admin_token: str | Non
     candidates = list(ALIASES) + [n for n in names if n not in ALIASES]
     if admin_token:
         try:
-            index = await client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: admin_token}, as_json=True)
+            index = await client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: admin_token}, as_json=True,
+                                                            client_timeout=CONTROL_TIMEOUT_S)
             candidates += [m["name"] for m in index.get("models", [])
                            if m.get("state") == "READY" and m["name"] not in candidates
                            and not m["name"].endswith(("_tokenizer", "_encoder"))]

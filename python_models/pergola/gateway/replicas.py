@@ -28,6 +28,27 @@ from pergola.gateway.errors import GatewayError, from_triton
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")
 _ticket = itertools.count()
+# Seconds a control call (readiness, model configs, the repository index) may take: one that
+# hangs (a replica half up, a connection stuck) must not hold every request behind the catalog.
+CONTROL_TIMEOUT_S = 5.0
+
+
+def connect(address: str) -> grpcaio.InferenceServerClient:
+    """A client for one replica. tritonclient's channel options, plus a reconnect backoff capped
+    at one second: gRPC's default grows to 120 s, so a replica that came up after the gateway
+    (a Triton server still loading its models) could wait minutes for its first call."""
+    options = grpcaio.KeepAliveOptions()
+    return grpcaio.InferenceServerClient(address, channel_args=[
+        ("grpc.max_send_message_length", grpcaio.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", grpcaio.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", options.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", options.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", options.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", options.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ])
 
 
 @dataclass
@@ -82,7 +103,7 @@ class ReplicaPool:
         addresses = [a for t in self.targets for a in resolve(t)]
         for address in addresses:
             if address not in self.replicas:
-                self.replicas[address] = Replica(address, grpcaio.InferenceServerClient(address))
+                self.replicas[address] = Replica(address, connect(address))
         for address in set(self.replicas) - set(addresses):
             gone = self.replicas.pop(address)
             with contextlib.suppress(RuntimeError):  # (no running loop: nothing was opened yet)
@@ -123,7 +144,7 @@ class ReplicaPool:
         """True when at least one replica answers that it is ready."""
         async def one(replica: Replica) -> bool:
             try:
-                return bool(await replica.client.is_server_ready())
+                return bool(await replica.client.is_server_ready(client_timeout=CONTROL_TIMEOUT_S))
             except InferenceServerException:
                 return False
 
