@@ -32,6 +32,11 @@ CANCEL_CHECK_S = 0.05  # how often a queued request's "client gone?" is asked (a
 # Layers the host may launch ahead of the device in a bulk step while queries are served between
 # layers: a query's step waits for about this many layers (~1 ms each at 16k tokens on the H200).
 LAYERS_AHEAD = 1
+# ... except in a bulk step's last layers: there the host runs ahead, so that packing the next
+# step (gather, copy, plan: a few ms for 16k tokens) overlaps the device's last layers instead of
+# leaving it idle (bulk alone ran at 1,060 emb/s with the host held back on every layer, against
+# 1,100 without, 100 x 512 on the H200, perf/results/2026-12-04-c60177f).
+FREE_LAST_LAYERS = 3
 
 
 class Overloaded(RuntimeError):
@@ -105,6 +110,8 @@ class EncodeLoop:
         self._side: deque[tuple[Step, LazyTensor]] = deque()
         self._layer_events: deque = deque()
         self._query_last = False  # the last step the loop itself picked was a queries' step
+        self._layers = int(engine.spec.hf_config.get("num_hidden_layers") or 0)
+        self._layer = 0  # layers of the bulk step in flight launched so far
         self._jobs: dict[int, Job] = {}
         self._keys = itertools.count()
         self._cond = threading.Condition()
@@ -238,6 +245,7 @@ class EncodeLoop:
     def _launch(self, step: Step, requests: dict) -> LazyTensor:
         """A bulk step: queries may be served between its layers (`_between_layers`)."""
         self._layer_events.clear()
+        self._layer = 0
         return self.engine.launch(step, requests, hooked=True)
 
     # --- the query lane ---------------------------------------------------------------
@@ -262,13 +270,15 @@ class EncodeLoop:
     def _between_layers(self) -> None:
         """Called by the runner after each layer of a bulk step (launched, not yet run).
 
-        Keeps the host at most LAYERS_AHEAD layers ahead of the device, so that a query's step
-        launched here runs after about that many layers instead of after the whole bulk step;
+        Keeps the host at most LAYERS_AHEAD layers ahead of the device (but for the step's last
+        FREE_LAST_LAYERS), so that a query's step launched here runs after about that many layers
+        instead of after the whole bulk step;
         delivers the queries' steps that are done, and launches the next one (one at a time,
         and at most one per bulk layer, so queries cannot starve bulk work)."""
+        self._layer += 1
         if self._side:
             self._collect_queries(block=True)  # launched a layer ago: it is next on the device
-        elif self.engine.device.type == "cuda":
+        elif self.engine.device.type == "cuda" and self._layer < self._layers - FREE_LAST_LAYERS:
             import torch
 
             event = torch.cuda.Event()
