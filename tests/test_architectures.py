@@ -18,6 +18,7 @@ import torch
 from conftest import TEXTS, cosine_rows
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
+from pergola.heads import activate
 from pergola.hf_folder import load_model_spec
 from pergola.pooling import finish
 from pergola.rerank import RerankTokenizer
@@ -63,7 +64,7 @@ def engine_scores(engine: Engine, query: str, docs: list[str]) -> np.ndarray:
     enc = RerankTokenizer(engine.spec).encode(query, docs)
     request = EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)
     engine.validate(request)  # as the server does: segment ids the model does not embed are refused
-    return engine.encode([request])[0][:, 0]
+    return activate(engine.encode([request])[0], "sigmoid")[:, 0]  # as the adapter answers: sigmoid(logit)
 
 
 def sequence_classification_scores(folder: Path, query: str, docs: list[str]) -> np.ndarray:

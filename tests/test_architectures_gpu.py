@@ -19,6 +19,7 @@ import torch
 from conftest import TEXTS, cosine_rows
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
+from pergola.heads import activate
 from pergola.pooling import finish
 from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
@@ -81,5 +82,6 @@ def test_reranker_bf16_matches_transformers(tmp_path, kind):
     engine = Engine(EngineConfig(model_dir=str(folder), device="cuda"))
     enc = RerankTokenizer(engine.spec).encode(QUERY, DOCS)
     for _ in range(3):
-        scores = engine.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0][:, 0]
+        logits = engine.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0]
+        scores = activate(logits, "sigmoid")[:, 0]
         np.testing.assert_allclose(scores, expected, atol=1e-2, rtol=0)

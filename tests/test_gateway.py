@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import MAX_TEXT_CHARS, TEST_DEVICE, TEXTS, RunningServer, cosine_rows
-from test_rerank import DOCS, QUERY, cross_encoder_reference
+from test_rerank import DOCS, QUERY, cross_encoder_logits, cross_encoder_reference
 
 KEY = "gateway-test-key-0123456789"
 MODELS = "minilm,ce,qr"  # the session server's ensembles (its index is closed to the gateway)
@@ -257,10 +257,22 @@ def test_tei_truncation_direction_left_is_start(gateway):
     assert status == 422 and "truncation_direction" in out["error"]
 
 
-def test_tei_raw_scores_are_refused_not_faked(gateway):
-    status, out, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": "q", "texts": ["a"],
+def test_raw_scores_are_the_logits(gateway, rerank_folders):
+    """TEI's `raw_scores: true` and NIM's /v1/ranking answer the classifier's logits, best first."""
+    logits = cross_encoder_logits(rerank_folders["cross-encoder"], QUERY, DOCS)
+    order = np.argsort(-logits, kind="stable").tolist()
+    atol = 1e-4 if TEST_DEVICE == "cpu" else 5e-2
+    status, tei, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS,
                                                        "raw_scores": True})
-    assert status == 422 and "raw_scores is not available" in out["error"] and out["error_type"] == "Validation"
+    assert status == 200, tei
+    assert [r["index"] for r in tei] == order
+    np.testing.assert_allclose([r["score"] for r in tei], logits[order], atol=atol, rtol=0)
+    status, nim, _ = call(gateway, "POST", "/v1/ranking", {"model": "ce", "query": {"text": QUERY}, "truncate": "END",
+                                                           "passages": [{"text": d} for d in DOCS]})
+    assert status == 200, nim
+    assert [r["index"] for r in nim["rankings"]] == order
+    np.testing.assert_allclose([r["logit"] for r in nim["rankings"]], logits[order], atol=atol, rtol=0)
+    assert nim["usage"]["total_tokens"] > len(DOCS)
 
 
 def test_rerank_usage_counts_the_pairs_tokens(gateway, rerank_folders):

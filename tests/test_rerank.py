@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 from conftest import MAX_TEXTS, TEST_DEVICE
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
+from pergola.heads import activate
 from pergola.rerank import RerankTokenizer
 
 QUERY = "what is the capital of France?"
@@ -30,14 +31,17 @@ DOCS = [
 MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else 1e-2
 
 
-def engine_scores(folder, task: str | None, query: str, docs: list[str]) -> np.ndarray:
+def engine_scores(folder, task: str | None, query: str, docs: list[str], raw: bool = False) -> np.ndarray:
+    """What the server answers: sigmoid of the engine's logits, or the logits (`raw`)."""
     eng = Engine(EngineConfig(model_dir=str(folder), task=task))
     enc = RerankTokenizer(eng.spec).encode(query, docs)
-    return eng.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0][:, 0]
+    logits = eng.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0]
+    return activate(logits, "sigmoid", raw)[:, 0]
 
 
-def cross_encoder_reference(folder, query: str, docs: list[str]) -> np.ndarray:
-    """CrossEncoder.predict, with the document-first truncation pergola uses (only_second)."""
+def cross_encoder_logits(folder, query: str, docs: list[str]) -> np.ndarray:
+    """The classifier's logits in CrossEncoder, with the document-first truncation pergola uses
+    (only_second)."""
     from sentence_transformers import CrossEncoder
 
     ce = CrossEncoder(str(folder), device="cpu")
@@ -45,29 +49,38 @@ def cross_encoder_reference(folder, query: str, docs: list[str]) -> np.ndarray:
     feats = tok([query] * len(docs), docs, truncation="only_second", max_length=512, padding=True,
                 return_tensors="pt")
     with torch.no_grad():
-        logits = ce.model(**feats).logits[:, 0]
-    return torch.sigmoid(logits).numpy()
+        return ce.model(**feats).logits[:, 0].numpy()
 
 
-def qwen3_reranker_reference(folder, query: str, docs: list[str]) -> np.ndarray:
+def cross_encoder_reference(folder, query: str, docs: list[str]) -> np.ndarray:
+    """CrossEncoder.predict: its default activation, sigmoid, of the logits."""
+    return torch.sigmoid(torch.from_numpy(cross_encoder_logits(folder, query, docs))).numpy()
+
+
+def qwen3_reranker_reference(folder, query: str, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(P(yes) as the official reference computes it, logit(yes) - logit(no))."""
     from transformers import AutoModelForCausalLM
 
     tok = RerankTokenizer(Engine(EngineConfig(model_dir=str(folder), task="rerank")).spec, "qwen3-reranker")
     enc = tok.encode(query, docs)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    out, start = [], 0
+    out, raw, start = [], [], 0
     with torch.no_grad():
         for n in enc.lengths:
             logits = model(input_ids=torch.tensor(enc.input_ids[start:start + n])[None]).logits[0, -1]
-            out.append(torch.softmax(logits[list(tok.answer_ids)], 0)[1].item())
+            no, yes = logits[list(tok.answer_ids)]
+            out.append(torch.softmax(torch.stack([no, yes]), 0)[1].item())
+            raw.append((yes - no).item())
             start += n
-    return np.array(out, dtype=np.float32)
+    return np.array(out, dtype=np.float32), np.array(raw, dtype=np.float32)
 
 
 def test_cross_encoder_matches_sentence_transformers(rerank_folders):
     folder = rerank_folders["cross-encoder"]
     ours = engine_scores(folder, None, QUERY, DOCS)
     np.testing.assert_allclose(ours, cross_encoder_reference(folder, QUERY, DOCS), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(engine_scores(folder, None, QUERY, DOCS, raw=True),
+                               cross_encoder_logits(folder, QUERY, DOCS), atol=1e-4, rtol=0)
     singles = np.array([engine_scores(folder, None, QUERY, [d])[0] for d in DOCS])
     np.testing.assert_allclose(ours, singles, atol=1e-5, rtol=0)
 
@@ -76,8 +89,9 @@ def test_qwen3_reranker_matches_transformers(rerank_folders):
     if "qwen3-reranker" not in rerank_folders:
         pytest.skip("the real Qwen3 tokenizer is not available")
     folder = rerank_folders["qwen3-reranker"]
-    ours = engine_scores(folder, "rerank", QUERY, DOCS)
-    np.testing.assert_allclose(ours, qwen3_reranker_reference(folder, QUERY, DOCS), atol=1e-4, rtol=0)
+    scores, logits = qwen3_reranker_reference(folder, QUERY, DOCS)
+    np.testing.assert_allclose(engine_scores(folder, "rerank", QUERY, DOCS), scores, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(engine_scores(folder, "rerank", QUERY, DOCS, raw=True), logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("model", ["rerank", "qr"])
@@ -90,12 +104,15 @@ def test_server_scores_in_input_order(server, rerank_folders, model):
     expected = engine_scores(folder, task, QUERY, DOCS)
     with PergolaClient(server.grpc_url) as client:
         result = client.rerank(QUERY, DOCS, model=model)
+        raw = client.rerank(QUERY, DOCS, top_n=2, model=model, raw_scores=True)
         top = client.rerank(QUERY, DOCS, top_n=2, model=model)
         single = np.array([client.rerank(QUERY, [d], model=model).scores[0] for d in DOCS])
     assert result.scores.shape == (len(DOCS),) and result.scores.dtype == np.float32
     np.testing.assert_allclose(result.scores, expected, atol=MAX_DIFF, rtol=0)
     assert result.indices.tolist() == np.argsort(-result.scores, kind="stable").tolist()
     assert top.indices.tolist() == result.indices[:2].tolist()
+    np.testing.assert_allclose(raw.scores, engine_scores(folder, task, QUERY, DOCS, raw=True), atol=MAX_DIFF, rtol=0)
+    assert raw.indices.tolist() == top.indices.tolist()
     np.testing.assert_allclose(single, result.scores, atol=MAX_DIFF, rtol=0)
 
 

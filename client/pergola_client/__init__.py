@@ -112,9 +112,9 @@ class PergolaClient:
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                truncate: bool | str | None = None, model: str | None = None,
-               instruction: str | None = None) -> RerankResult:
+               instruction: str | None = None, raw_scores: bool = False) -> RerankResult:
         """Scores of `documents` against `query` (reranker served as `rerank` by default);
-        `instruction`: a Qwen3-Reranker's task for this request."""
+        `instruction`: a Qwen3-Reranker's task for this request; `raw_scores`: logits, not their sigmoid."""
         docs = np.array([d.encode("utf-8") for d in documents], dtype=object)
         inputs = [self._input("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES"),
                   self._input("DOCUMENTS", docs.reshape(-1), "BYTES")]
@@ -123,6 +123,8 @@ class PergolaClient:
         inputs += self._truncate(truncate)
         if instruction is not None:
             inputs.append(self._input("INSTRUCTION", np.array([instruction.encode("utf-8")], dtype=object), "BYTES"))
+        if raw_scores:
+            inputs.append(self._input("RAW_SCORES", np.array([True]), "BOOL"))
         name = model or ("rerank" if self.model == "embed" else self.model)
         result = self._infer(name, inputs, ["SCORE", "INDICES"])
         return RerankResult(result.as_numpy("SCORE"), result.as_numpy("INDICES"))

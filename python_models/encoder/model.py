@@ -1,6 +1,7 @@
 """Triton adapter for <name>_encoder: ragged token ids -> embeddings [n, dim] in the ENCODING
 asked for (pergola.encodings: EMBEDDING FP32 by default), or for a reranker, SCORE [n] (input
-order) and INDICES (best first, TOP_N of them when given).
+order) and INDICES (best first, TOP_N of them when given): sigmoid(logit), or the logit itself
+with RAW_SCORES (pergola.heads: the activation is applied here, on the model's logits).
 
 `execute()` checks and queues each request and returns at once; the engine's loop thread
 (pergola/engine/loop.py) packs the sequences of every queued request into steps and answers
@@ -17,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
 from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
+from pergola.heads import activate, activation
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
 from pergola.metrics import EncoderMetrics, info_labels
@@ -37,6 +39,7 @@ class TritonPythonModel:
         self.engine = Engine(self.cfg)
         self.hidden = self.engine.spec.hidden_size
         self.rerank = self.engine.spec.task == "rerank"
+        self.activation = activation(self.engine.spec)
         runner = self.engine.runner
         attention = runner.attention_in_use()
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
@@ -82,7 +85,7 @@ class TritonPythonModel:
 
     def _deliver(self, sender, options: EmbedOptions | RerankOptions, pooled: np.ndarray) -> None:
         if isinstance(options, RerankOptions):
-            score = np.ascontiguousarray(pooled[:, 0], dtype=np.float32)  # [n], input order
+            score = activate(pooled[:, :1], self.activation, options.raw_scores)[:, 0]  # [n], input order
             outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:
             outputs = encoded_outputs(finish(pooled, options.dimensions, options.normalize), options.encoding)

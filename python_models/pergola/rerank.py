@@ -252,9 +252,12 @@ class RerankTokenizer:
 
 @dataclass(frozen=True)
 class RerankOptions:
-    """What a rerank request asks of its answer: TOP_N, how many indices to list (0: all documents)."""
+    """What a rerank request asks of its answer: TOP_N, how many indices to list (0: all documents);
+    RAW_SCORES, the logits (cross-encoder: the classifier's; Qwen3-Reranker: logit(yes) - logit(no))
+    instead of their sigmoid."""
 
     top_n: int = 0
+    raw_scores: bool = False
 
     def __post_init__(self) -> None:
         if self.top_n < 0:

@@ -82,8 +82,9 @@ def optional_count(pb_utils: Any, request: Any, name: str) -> int | None:
 
 
 def rerank_options(pb_utils: Any, request: Any) -> RerankOptions:
-    """A rerank request's TOP_N (0 or omitted: every document), checked."""
-    return RerankOptions(int(optional_scalar(pb_utils, request, "TOP_N") or 0))
+    """A rerank request's TOP_N (0 or omitted: every document), checked, and RAW_SCORES."""
+    return RerankOptions(int(optional_scalar(pb_utils, request, "TOP_N") or 0),
+                         bool(optional_scalar(pb_utils, request, "RAW_SCORES") or False))
 
 
 def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> EmbedOptions:

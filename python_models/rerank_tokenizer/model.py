@@ -50,6 +50,7 @@ class TritonPythonModel:
             pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),
             pb_utils.Tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :]),
             pb_utils.Tensor("TOP_N_OUT", np.array([[options.top_n]], dtype=np.int32)),
+            pb_utils.Tensor("RAW_SCORES_OUT", np.array([[options.raw_scores]], dtype=bool)),
             pb_utils.Tensor("TOKEN_COUNT", enc.lengths),
             pb_utils.Tensor("TRUNCATED", enc.truncated),
         ])

@@ -108,7 +108,7 @@ class Engine:
 
     def encode(self, requests: list[EncodeRequest]) -> list[np.ndarray]:
         """-> one [n_i, out_dim] fp32 array per request: pooled embeddings (not yet truncated or
-        normalised), or a reranker's scores. Synchronous; the server runs the same steps from
+        normalised), or a reranker's or classifier's logits (pergola.heads.activate). Synchronous; the server runs the same steps from
         its own loop (engine/loop.py)."""
         width = self.runner.out_dim
         results = [np.empty((r.lengths.size, width), dtype=np.float32) for r in requests]

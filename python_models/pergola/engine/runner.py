@@ -22,6 +22,7 @@ import torch
 from pergola.config import DTYPES, EngineConfig
 from pergola.engine.graphs import GraphCache
 from pergola.engine.lazy import LazyTensor
+from pergola.heads import HEAD_TASKS
 from pergola.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
@@ -154,8 +155,8 @@ class ModelRunner:
         # (most tokens, backend) rules for graph steps, and the backend of large eager steps.
         self.graph_attn, self.eager_attn = self._attention_backends()
         self.max_positions = int(spec.hf_config.get("max_position_embeddings", 1 << 30))
-        # What a step returns per sequence: the pooled embedding, or a reranker's score(s).
-        self.out_dim = spec.num_labels if spec.task == "rerank" else spec.hidden_size
+        # What a step returns per sequence: the pooled embedding, or a reranker's or classifier's logits.
+        self.out_dim = spec.num_labels if spec.task in HEAD_TASKS else spec.hidden_size
         # Lanes (GPU, ragged backends): 0 for every step, 1 for queries' steps when query_tokens is set.
         # Padded backends (SDPA: FP32 on a GPU) and the CPU build their own tensors per step.
         self.lanes: list[Lane] = []
@@ -291,10 +292,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> torch.Tensor:
-        """-> pooled [B, hidden] fp32 on the device (a reranker: its scores [B, num_labels])."""
+        """-> pooled [B, hidden] fp32 on the device (a reranker or classifier: its logits [B, num_labels])."""
         hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
-        if self.spec.task == "rerank":
+        if self.spec.task in HEAD_TASKS:
             return self.model.score(pooled)
         dense = getattr(self.model, "dense", None)  # sentence-transformers Dense modules, after pooling
         return pooled if dense is None else dense(pooled.to(self.dtype)).float()

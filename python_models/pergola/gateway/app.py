@@ -1,7 +1,7 @@
 """The gateway's ASGI app (Starlette on uvicorn) and how it runs.
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
-/v1/rerank, /v2/rerank; TEI /embed, /tokenize, /info, /health; /rerank takes either form.
+/v1/rerank, /v2/rerank; NIM /v1/ranking; TEI /embed, /tokenize, /info, /health; /rerank takes either form.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/v1/models", "openai", openai_api.models, "GET"),
         route("/v1/rerank", "cohere", rerank_api.rerank_route),
         route("/v2/rerank", "cohere", rerank_api.rerank_route),
+        route("/v1/ranking", "cohere", rerank_api.nim_ranking),  # NVIDIA NIM's form: logits
         Route("/rerank", rerank_either, methods=["POST"]),
         route("/embed", "tei", tei_api.embed),
         route("/tokenize", "tei", tei_api.tokenize),

@@ -47,6 +47,7 @@ class RerankOptions:
     truncate: str | None = None  # NONE | START | END (None: the model's default)
     max_document_tokens: int | None = None
     instruction: str | None = None  # a Qwen3-Reranker's task instruction
+    raw_scores: bool = False  # logits instead of their sigmoid
 
 
 @dataclass
@@ -215,6 +216,8 @@ class Backend:
                                    "INT32"))
         if opts.instruction is not None:
             options.append(_tensor("INSTRUCTION", np.array([opts.instruction.encode("utf-8")], dtype=object), "BYTES"))
+        if opts.raw_scores:
+            options.append(_tensor("RAW_SCORES", np.array([True]), "BOOL"))
 
         async def one(start: int, end: int) -> Reranked:
             docs = np.array([d.encode("utf-8") for d in documents[start:end]], dtype=object)

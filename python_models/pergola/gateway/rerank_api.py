@@ -1,5 +1,5 @@
 """Reranking in Cohere's and Jina's form: `POST /v1/rerank`, `/v2/rerank`, and `/rerank` when
-the body has `documents` (with `texts` it is TEI's form: tei_api.py).
+the body has `documents` (with `texts` it is TEI's form: tei_api.py); NVIDIA NIM's `POST /v1/ranking`.
 
     {"model": "rerank", "query": "...", "documents": ["..." or {"text": "..."}], "top_n": 3,
      "return_documents": false, "max_tokens_per_doc": 4096}
@@ -10,6 +10,10 @@ the body has `documents` (with `texts` it is TEI's form: tei_api.py).
 `truncate` (NONE, START, END or a boolean, which end of a document is cut) and `instruction`
 (a Qwen3-Reranker's task). `usage.total_tokens` (Jina's and vLLM's) counts every (query,
 document) pair's tokens as the encoder ran them.
+
+    NIM: {"model", "query": {"text"}, "passages": [{"text"}], "truncate": "NONE" | "END"}
+ -> {"rankings": [{"index", "logit"}] best first, "usage": {"total_tokens"}}: raw scores (a
+    cross-encoder's logit, a Qwen3-Reranker's logit(yes) - logit(no)), as NIM answers.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ def best_first(scores: np.ndarray, top_n: int | None) -> list[int]:
     return order[:top_n].tolist() if top_n is not None else order.tolist()
 
 
-def rerank_options(body: Body, truncate: str | None, max_document_tokens: str | None = None) -> RerankOptions:
-    """What a rerank body asks beyond query and documents (`truncate`: the mode, as its API sends it)."""
-    return RerankOptions(truncate=truncate, instruction=body.get("instruction", str),
+def rerank_options(body: Body, truncate: str | None, max_document_tokens: str | None = None,
+                   raw_scores: bool = False) -> RerankOptions:
+    """What a rerank body asks beyond query and documents (`truncate`: the mode, as its API sends it;
+    `raw_scores`: logits rather than their sigmoid)."""
+    return RerankOptions(truncate=truncate, instruction=body.get("instruction", str), raw_scores=raw_scores,
                          max_document_tokens=body.positive(max_document_tokens) if max_document_tokens else None)
 
 
@@ -46,8 +52,12 @@ async def scores_of(gw: Gateway, body: Body, documents_field: str,
     (a document over the token limit with truncation off: TooLong, which each API words)."""
     model = await gw.model(body.get("model", str), "rerank")
     query_limit = model.limit("max_query_chars")
-    [query] = read_strings([body.get("query", str, required=True)], "query", "query",
-                           StringLimits(1, query_limit, query_limit, "max_query_chars"))
+    query = body.get("query", (str, dict), required=True)
+    if isinstance(query, dict):  # NIM's {"text": ...}
+        query = query.get("text")
+        if not isinstance(query, str):
+            raise GatewayError(422, "`query` must be a string or an object with a `text` string", "query")
+    [query] = read_strings([query], "query", "query", StringLimits(1, query_limit, query_limit, "max_query_chars"))
     raw = body.get(documents_field, list, required=True)
     docs = [d.get("text") if isinstance(d, dict) else d for d in raw]
     if not all(isinstance(d, str) for d in docs):
@@ -79,3 +89,15 @@ async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
 
 async def rerank_route(gw: Gateway, request: Request) -> dict[str, Any]:
     return await rerank(gw, await read_body(request, gw.opts.max_body_bytes))
+
+
+async def nim_ranking(gw: Gateway, request: Request) -> dict[str, Any]:
+    """NIM's /v1/ranking: every passage's logit, best first (NIM's `truncate` is NONE or END)."""
+    body = await read_body(request, gw.opts.max_body_bytes)
+    opts = rerank_options(body, truncate_option(body), raw_scores=True)
+    try:
+        _, out = await scores_of(gw, body, "passages", opts)
+    except TooLong as e:
+        raise too_long(e, "passages", 'send "truncate": "END" to cut it') from None
+    return {"rankings": [{"index": i, "logit": float(out.scores[i])} for i in best_first(out.scores, None)],
+            "usage": {"total_tokens": int(out.tokens.sum())}}

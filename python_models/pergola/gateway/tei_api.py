@@ -3,8 +3,11 @@
 
     /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "truncation_direction":
               "Right", "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
-    /rerank  {"query", "texts", "return_text": false, "truncate": null, "truncation_direction": "Right"}
-             ->  [{"index", "score", "text"?}] best first
+    /rerank  {"query", "texts", "return_text": false, "raw_scores": false, "truncate": null,
+              "truncation_direction": "Right"}  ->  [{"index", "score", "text"?}] best first
+
+`raw_scores: true` answers the logit (a cross-encoder's before its sigmoid, a Qwen3-Reranker's
+logit(yes) - logit(no)) instead of sigmoid(logit).
 
 `truncate: true` cuts a text over the limit at its end (`truncation_direction: Right`) or its
 start (`Left`); `false` refuses it with TEI's 413; left out, the model's default (`--truncate`)
@@ -73,14 +76,10 @@ async def embed(gw: Gateway, request: Request) -> Any:
 
 
 async def tei_rerank(gw: Gateway, body: Body) -> JSONResponse:
-    if body.get("raw_scores", bool, False):
-        raise GatewayError(422, "raw_scores is not available: pergola's rerank models return sigmoid(logit) "
-                                "(cross-encoders) or P(yes) (Qwen3-Reranker), and logits read back from those "
-                                "would lose precision; leave raw_scores out or false", "raw_scores")
     model = await gw.model(body.get("model", str), "rerank")
+    opts = rerank_api.rerank_options(body, _truncation(body, model), raw_scores=body.get("raw_scores", bool, False))
     try:
-        texts, out = await rerank_api.scores_of(gw, body, "texts",
-                                                rerank_api.rerank_options(body, _truncation(body, model)))
+        texts, out = await rerank_api.scores_of(gw, body, "texts", opts)
     except TooLong as e:
         raise _too_long(e, "texts") from None
     with_text = body.get("return_text", bool, False)

@@ -48,12 +48,6 @@ class Model(nn.Module):
         """Fill what is computed rather than read (RoPE tables), once the weights are in."""
 
 
-def classifier_scores(logits: torch.Tensor) -> torch.Tensor:
-    """[B, num_labels] fp32 logits of a sequence-classification head -> scores: one label, its
-    sigmoid, as sentence-transformers' CrossEncoder applies by default; several, the raw logits."""
-    return torch.sigmoid(logits) if logits.shape[1] == 1 else logits
-
-
 def model_class(architecture: str) -> type[Model]:
     module, name = ARCHITECTURES[architecture]
     return getattr(importlib.import_module(module), name)

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergola.heads import HEAD_TASKS
 from pergola.hf_folder import head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models import Model, classifier_scores
+from pergola.models import Model
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -130,7 +131,7 @@ class BertModel(Model):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
-        if task == "rerank":
+        if task in HEAD_TASKS:  # a sequence-classification head (reranker or classifier)
             h, labels = cfg["hidden_size"], len(cfg.get("id2label") or {0: "LABEL_0"})
             if is_roberta(cfg):  # RobertaClassificationHead: classifier.dense + tanh, classifier.out_proj
                 self.classifier = nn.Module()
@@ -142,10 +143,10 @@ class BertModel(Model):
                 self.classifier = Linear(h, labels, bias=True)
 
     def score(self, cls_states: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 scores (`classifier_scores`)."""
+        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 logits (pergola.heads activates them)."""
         dense, out = ((self.classifier.dense, self.classifier.out_proj) if is_roberta(self.config)
                       else (self.pooler.dense, self.classifier))
-        return classifier_scores(out(torch.tanh(dense(cls_states.to(dense.weight.dtype)))).float())
+        return out(torch.tanh(dense(cls_states.to(dense.weight.dtype)))).float()
 
     def forward(
         self,

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from pergola.heads import HEAD_TASKS
 from pergola.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear
-from pergola.models import Model, classifier_scores
+from pergola.models import Model
 from pergola.models.bert import ACTIVATIONS
 from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import RotaryEmbedding, apply_rope
@@ -130,7 +131,7 @@ class ModernBertModel(Model):
         self.final_norm = layer_norm(cfg)
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim(cfg), cfg["max_position_embeddings"], theta)
                                      for kind, theta in rope_thetas(cfg).items()})
-        if task == "rerank":  # ModernBertForSequenceClassification: head (dense, act, norm), classifier
+        if task in HEAD_TASKS:  # ModernBertForSequenceClassification: head (dense, act, norm), classifier
             h = cfg["hidden_size"]
             self.head = nn.Module()
             self.head.dense = Linear(h, h, bias=cfg.get("classifier_bias", False))
@@ -144,9 +145,9 @@ class ModernBertModel(Model):
 
     def score(self, pooled: torch.Tensor) -> torch.Tensor:
         """[B, hidden] fp32 pooled states (CLS or mean, as classifier_pooling says) -> [B, num_labels]
-        fp32 (`classifier_scores`)."""
+        fp32 logits (pergola.heads activates them)."""
         x = self.head.norm(self.head_act(self.head.dense(pooled.to(self.head.dense.weight.dtype))))
-        return classifier_scores(self.classifier(x).float())
+        return self.classifier(x).float()
 
     def forward(
         self,

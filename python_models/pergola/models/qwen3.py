@@ -207,9 +207,10 @@ class Qwen3Model(Model):
             self.extra_targets = {source: "score_weight"}
 
     def score(self, last_states: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] fp32 last-token states -> [B, 1] P(yes) = softmax([no, yes] logits)[yes]."""
+        """[B, hidden] fp32 last-token states -> [B, 1] logit(yes) - logit(no): the raw score, whose
+        sigmoid is P(yes) = softmax([no, yes] logits)[yes] (pergola.heads)."""
         logits = (last_states.to(self.score_weight.dtype) @ self.score_weight.t()).float()  # [B, 2]
-        return torch.sigmoid(logits[:, 1:2] - logits[:, 0:1])
+        return logits[:, 1:2] - logits[:, 0:1]
 
     def post_load(self) -> None:
         self.rotary_emb.fill()
