@@ -1,7 +1,8 @@
 """Triton adapter for <name>_encoder: ragged token ids -> embeddings [n, dim] in the ENCODING
 asked for (pergola.encodings: EMBEDDING FP32 by default), or for a reranker, SCORE [n] (input
 order) and INDICES (best first, TOP_N of them when given): sigmoid(logit), or the logit itself
-with RAW_SCORES (pergola.heads: the activation is applied here, on the model's logits).
+with RAW_SCORES (pergola.heads: the activation is applied here, on the model's logits); for a
+classifier, PROBS [n, labels] (softmax or sigmoid; logits with RAW_SCORES) and LABELS [labels].
 
 `execute()` checks and queues each request and returns at once; the engine's loop thread
 (pergola/engine/loop.py) packs the sequences of every queued request into steps and answers
@@ -18,13 +19,14 @@ import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
 from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
-from pergola.heads import activate, activation
+from pergola.classify import ClassifyOptions
+from pergola.heads import activate, activation, label_names
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
 from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
-from pergola.triton_io import (EmbedOptions, embed_options, error_response, exit_soon, instance_device,
+from pergola.triton_io import (EmbedOptions, classify_options, embed_options, error_response, exit_soon, instance_device,
                                is_fatal_device_error, optional_array, required_array, rerank_options,
                                set_cpu_threads)
 
@@ -39,7 +41,9 @@ class TritonPythonModel:
         self.engine = Engine(self.cfg)
         self.hidden = self.engine.spec.hidden_size
         self.rerank = self.engine.spec.task == "rerank"
+        self.classify = self.engine.spec.task == "classify"
         self.activation = activation(self.engine.spec)
+        self.labels = np.array([name.encode("utf-8") for name in label_names(self.engine.spec)], dtype=object)
         runner = self.engine.runner
         attention = runner.attention_in_use()
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
@@ -55,7 +59,7 @@ class TritonPythonModel:
                                on_step=lambda: self.metrics.update(self.engine.stats, self.loop),
                                on_idle=lambda: self.metrics.flush(self.engine.stats), on_fatal=self._fatal)
 
-    def _decode(self, request) -> tuple[EncodeRequest, EmbedOptions | RerankOptions]:
+    def _decode(self, request) -> tuple[EncodeRequest, EmbedOptions | RerankOptions | ClassifyOptions]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
         when execute() returns, before the loop computes it."""
         req = EncodeRequest(
@@ -67,6 +71,8 @@ class TritonPythonModel:
         self.engine.validate(req)
         if self.rerank:
             return req, rerank_options(pb_utils, request)
+        if self.classify:
+            return req, classify_options(pb_utils, request)
         return req, embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize)
 
     def execute(self, requests: list) -> None:
@@ -83,8 +89,10 @@ class TritonPythonModel:
                 self._fail(sender, e)
         return None
 
-    def _deliver(self, sender, options: EmbedOptions | RerankOptions, pooled: np.ndarray) -> None:
-        if isinstance(options, RerankOptions):
+    def _deliver(self, sender, options: EmbedOptions | RerankOptions | ClassifyOptions, pooled: np.ndarray) -> None:
+        if isinstance(options, ClassifyOptions):
+            outputs = {"PROBS": activate(pooled, self.activation, options.raw_scores), "LABELS": self.labels}
+        elif isinstance(options, RerankOptions):
             score = activate(pooled[:, :1], self.activation, options.raw_scores)[:, 0]  # [n], input order
             outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:

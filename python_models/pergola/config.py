@@ -71,8 +71,9 @@ class EngineConfig:
     metrics_flush_s: float = option(1.0, "pergola's counters reach Triton at most this often (seconds; 0: after "
                                          "every batch), histograms a tenth as often: each update is a "
                                          "stub-to-server round trip")
-    task: str | None = option(None, "override what the folder says (rerank for a Qwen3-Reranker causal LM)",
-                              choices=("embed", "rerank"))
+    task: str | None = option(None, "override what the folder says (rerank for a Qwen3-Reranker causal LM; "
+                                    "classify: a sequence-classification head with several labels)",
+                              choices=("embed", "rerank", "classify"))
     pooling: str | None = option(None, "override the folder's pooling", choices=("mean", "cls", "last"))
     causal: bool | None = option(None, "override the folder's attention mask (causal or bidirectional)")
     query_prompt: str | None = option(None, "prefix (or prompt name) for PROMPT_NAME=query when the folder has none")

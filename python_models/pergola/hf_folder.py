@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Pooling = Literal["mean", "cls", "last"]
-Task = Literal["embed", "rerank"]
+Task = Literal["embed", "rerank", "classify"]
 
 # HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
 # XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
@@ -25,6 +25,8 @@ ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpne
 DECODERS = ("qwen2", "qwen3", "gemma3_text")
 # Model types served as rerankers: sequence classification, or Qwen3-Reranker's yes/no logits.
 RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen3")
+# Model types served as classifiers (sequence classification with several labels: `classify`).
+CLASSIFIERS = ("bert", "roberta", "xlm-roberta", "modernbert")
 # Model types whose positions start at padding index + 1 (fairseq numbering).
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
 
@@ -212,10 +214,18 @@ def load_model_spec(
             f"{path}: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}"
         )
     archs = [str(a) for a in hf_config.get("architectures") or []]
-    folder_task: Task = "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
+    # A sequence-classification head: one label scores a pair (rerank), several classify a text.
+    labels = len(hf_config.get("id2label") or {0: "LABEL_0"})
+    folder_task: Task = "embed"
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        folder_task = "classify" if labels > 1 else "rerank"
     task = task or folder_task
     if task == "rerank" and model_type not in RERANKERS:
         raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: {list(RERANKERS)}")
+    if task == "classify" and (model_type not in CLASSIFIERS or labels < 2):
+        raise ModelFolderError(f"{path}: classify serves a ...ForSequenceClassification head with several labels "
+                               f"(config id2label) of {list(CLASSIFIERS)}; this folder is {model_type} with "
+                               f"{labels} label(s)")
 
     # A sentence-transformers embedding pipeline; a CrossEncoder's modules.json describes its head.
     modules = _read_json(path / "modules.json") if task == "embed" else None
@@ -239,7 +249,7 @@ def load_model_spec(
     if default_prompt is not None and default_prompt not in prompts:
         raise ModelFolderError(f"{path}: default_prompt_name {default_prompt!r} is not in prompts")
 
-    if task == "rerank":  # the score reads the [CLS] state (cross-encoder) or the last token (LLM)
+    if task in ("rerank", "classify"):  # the head reads the [CLS] state (cross-encoder) or the last token (LLM)
         default_pooling = "last" if is_decoder else "cls"
         if hf_config.get("classifier_pooling") == "mean":  # ModernBERT's sequence classification
             default_pooling = "mean"

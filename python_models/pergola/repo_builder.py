@@ -5,7 +5,7 @@ For a model NAME it writes
     NAME_encoder/    config.pbtxt, 1/model.py, 1/hf -> the model folder
     NAME/            the ensemble (TEXT -> EMBEDDING)
 and, for the first embedding model, the ensemble again as `embed` (the first reranker: `rerank`,
-QUERY + DOCUMENTS -> SCORE). Configs come from the templates
+QUERY + DOCUMENTS -> SCORE; the first classifier: `classify`, TEXT -> PROBS and LABELS). Configs come from the templates
 in ensemble_configs/, adapters from python_models/.
 """
 
@@ -75,6 +75,8 @@ def _write_version(model_dir: Path, adapter: str, hf_folder: Path, version: int 
 TASKS = {
     "embed": ("tokenizer.pbtxt", "tokenizer", "encoder.pbtxt", "embed_ensemble.pbtxt", "embed"),
     "rerank": ("rerank_tokenizer.pbtxt", "rerank_tokenizer", "rerank_encoder.pbtxt", "rerank_ensemble.pbtxt", "rerank"),
+    "classify": ("classify_tokenizer.pbtxt", "classify_tokenizer", "classify_encoder.pbtxt", "classify_ensemble.pbtxt",
+                 "classify"),
 }
 
 
@@ -136,13 +138,14 @@ def write_ensemble(repo: Path, ensemble: str, name: str, template: str) -> None:
 
 def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, clean: bool = True) -> Path:
     """Write the repository for `entries`; the first embedding model is also served as `embed`,
-    the first reranker as `rerank`."""
+    the first reranker as `rerank`, the first classifier as `classify`."""
     repo = Path(repo).expanduser().resolve()
     if not entries:
         raise ValueError("no models to build")
     names = [e.name for e in entries]
-    if len(set(names)) != len(names) or {"embed", "rerank"} & set(names):
-        raise ValueError(f"model names must be unique and not 'embed' or 'rerank': {names}")
+    aliases = {alias for *_, alias in TASKS.values()}
+    if len(set(names)) != len(names) or aliases & set(names):
+        raise ValueError(f"model names must be unique and not {sorted(aliases)}: {names}")
     if clean and repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(parents=True, exist_ok=True)

@@ -791,3 +791,40 @@ def make_modernbert_reranker_folder(out_dir: str | Path, shape: str = "tiny", se
     model = perturb_(ModernBertForSequenceClassification(config), seed)
     _save_hf_model(model, out, _torch_dtype(dtype))
     return out
+
+
+CLASSIFIER_LABELS = ("negative", "neutral", "positive")
+
+
+def make_classifier_folder(out_dir: str | Path, kind: str = "bert", seed: int = 0,
+                           labels: tuple[str, ...] = CLASSIFIER_LABELS, problem_type: str | None = None) -> Path:
+    """A ...ForSequenceClassification folder with several labels (served as `classify`), written
+    by transformers' save_pretrained with seeded random weights: "bert" in all-MiniLM-L6-v2's shape
+    cut to 2 layers, on the real MiniLM tokenizer (token types for pairs); "xlm-roberta" in the tiny
+    XLM-R shape on a trained Unigram tokenizer. `problem_type`: the config's
+    ("multi_label_classification": a sigmoid per label instead of softmax)."""
+    from transformers import BertConfig, BertForSequenceClassification, XLMRobertaForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "bert":
+        from pergola.cli import default_model_folder  # lazy: cli imports the serving stack
+
+        src = default_model_folder()
+        for name in MINILM_TOKENIZER_FILES:
+            shutil.copyfile(src / name, out / name)
+            (out / name).chmod(0o644)
+        config = BertConfig.from_json_file(str(src / "config.json"))
+        config.num_hidden_layers = 2
+    elif kind == "xlm-roberta":
+        vocab_size = save_xlm_roberta_tokenizer(out, min(512, XLMR_SHAPES["tiny"]["max_position_embeddings"] - 2))
+        config = xlm_roberta_config("tiny", vocab_size)
+    else:
+        raise ValueError(f"kind must be bert or xlm-roberta, got {kind!r}")
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {name: i for i, name in enumerate(labels)}
+    config.problem_type = problem_type
+    model_class = BertForSequenceClassification if kind == "bert" else XLMRobertaForSequenceClassification
+    torch.manual_seed(seed)
+    _save_hf_model(perturb_(model_class(config), seed), out, torch.float32)
+    return out

@@ -1,5 +1,5 @@
-"""Helpers the Triton `model.py` adapters share: optional inputs, a request's options (embedding
-or rerank), errors, instance device, CPU threads.
+"""Helpers the Triton `model.py` adapters share: optional inputs, a request's options (embedding,
+rerank or classify), errors, instance device, CPU threads.
 
 `pb_utils` (triton_python_backend_utils) only exists inside the Triton stub, so the adapters
 pass it in; everything else in pergola imports and tests without Triton.
@@ -8,10 +8,12 @@ pass it in; everything else in pergola imports and tests without Triton.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from pergola.classify import ClassifyOptions
 from pergola.encodings import check_encoding
 from pergola.errors import RequestError, bounded, decode_utf8
 from pergola.rerank import RerankOptions
@@ -62,6 +64,39 @@ class EmbedOptions(NamedTuple):
     encoding: str  # pergola.encodings
 
 
+class TokenizerAdapter:
+    """What the tokenizer adapters (TritonPythonModel) share: their config, heap trimming, metrics,
+    and one response per request (`_execute_one`, each adapter's own)."""
+
+    def _setup(self, pb_utils: Any, args: dict[str, str]) -> Any:
+        """-> the model's EngineConfig (from config.pbtxt)."""
+        from pergola.config import EngineConfig
+        from pergola.memory import HeapTrimmer
+        from pergola.metrics import TokenizerMetrics
+
+        self.cfg = EngineConfig.from_triton_args(args)
+        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
+        self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
+        return self.cfg
+
+    def _execute_one(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    def _respond(self, pb_utils: Any, enc: Any, started: float, outputs: dict[str, np.ndarray]) -> Any:
+        """An encoded request's response: INPUT_IDS and LENGTHS [1, ...], then `outputs`, then
+        TOKEN_COUNT and TRUNCATED [n]; the tokenizing time since `started` goes to the metrics."""
+        self.metrics.observe(time.perf_counter() - started)
+        tensors = {"INPUT_IDS": enc.input_ids[None, :], "LENGTHS": enc.lengths[None, :], **outputs,
+                   "TOKEN_COUNT": enc.lengths, "TRUNCATED": enc.truncated}
+        return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in tensors.items()])
+
+    def execute(self, requests: list) -> list:
+        return [self._execute_one(r) for r in requests]
+
+    def finalize(self) -> None:
+        self.metrics.close()
+
+
 def read_truncation(pb_utils: Any, request: Any, default: bool) -> str:
     """TRUNCATE_MODE (NONE | START | END) or its BOOL form TRUNCATE (true = END, false = NONE);
     with both, they must agree; with neither, the model's default (`--truncate`)."""
@@ -85,6 +120,11 @@ def rerank_options(pb_utils: Any, request: Any) -> RerankOptions:
     """A rerank request's TOP_N (0 or omitted: every document), checked, and RAW_SCORES."""
     return RerankOptions(int(optional_scalar(pb_utils, request, "TOP_N") or 0),
                          bool(optional_scalar(pb_utils, request, "RAW_SCORES") or False))
+
+
+def classify_options(pb_utils: Any, request: Any) -> ClassifyOptions:
+    """A classify request's RAW_SCORES (logits instead of probabilities)."""
+    return ClassifyOptions(bool(optional_scalar(pb_utils, request, "RAW_SCORES") or False))
 
 
 def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> EmbedOptions:

@@ -5,27 +5,16 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.config import EngineConfig
-from pergola.memory import HeapTrimmer
-from pergola.metrics import TokenizerMetrics
 from pergola.errors import RequestError
 from pergola.rerank import RerankTokenizer
-from pergola.triton_io import (error_response, optional_count, optional_single, read_truncation, required_strings,
-                               rerank_options)
+from pergola.triton_io import (TokenizerAdapter, error_response, optional_count, optional_single, read_truncation,
+                               required_strings, rerank_options)
 
 
-class TritonPythonModel:
+class TritonPythonModel(TokenizerAdapter):
     def initialize(self, args: dict) -> None:
-        self.cfg = EngineConfig.from_triton_args(args)
-        self.tokenizer = RerankTokenizer(self.cfg.spec(), config=self.cfg)  # the folder's kind of reranker
-        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
-        self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
-
-    def finalize(self) -> None:
-        self.metrics.close()
-
-    def execute(self, requests: list) -> list:
-        return [self._execute_one(r) for r in requests]
+        cfg = self._setup(pb_utils, args)
+        self.tokenizer = RerankTokenizer(cfg.spec(), config=cfg)  # the folder's kind of reranker
 
     def _execute_one(self, request) -> "pb_utils.InferenceResponse":
         try:
@@ -44,13 +33,8 @@ class TritonPythonModel:
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
-        self.metrics.observe(time.perf_counter() - started)
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("INPUT_IDS", enc.input_ids[None, :]),
-            pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),
-            pb_utils.Tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :]),
-            pb_utils.Tensor("TOP_N_OUT", np.array([[options.top_n]], dtype=np.int32)),
-            pb_utils.Tensor("RAW_SCORES_OUT", np.array([[options.raw_scores]], dtype=bool)),
-            pb_utils.Tensor("TOKEN_COUNT", enc.lengths),
-            pb_utils.Tensor("TRUNCATED", enc.truncated),
-        ])
+        return self._respond(pb_utils, enc, started, {
+            "TOKEN_TYPE_IDS": enc.token_type_ids[None, :],
+            "TOP_N_OUT": np.array([[options.top_n]], dtype=np.int32),
+            "RAW_SCORES_OUT": np.array([[options.raw_scores]], dtype=bool),
+        })

@@ -5,27 +5,16 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.config import EngineConfig
-from pergola.memory import HeapTrimmer
-from pergola.metrics import TokenizerMetrics
 from pergola.tokenization import TextTokenizer
-from pergola.triton_io import (embed_options, error_response, optional_count, optional_scalar, read_truncation,
-                               required_strings)
+from pergola.triton_io import (TokenizerAdapter, embed_options, error_response, optional_count, optional_scalar,
+                               read_truncation, required_strings)
 
 
-class TritonPythonModel:
+class TritonPythonModel(TokenizerAdapter):
     def initialize(self, args: dict) -> None:
-        self.cfg = EngineConfig.from_triton_args(args)
-        self.spec = self.cfg.spec()
-        self.tokenizer = TextTokenizer(self.spec, self.cfg.text_limits())
-        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
-        self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
-
-    def finalize(self) -> None:
-        self.metrics.close()
-
-    def execute(self, requests: list) -> list:
-        return [self._execute_one(r) for r in requests]
+        cfg = self._setup(pb_utils, args)
+        self.spec = cfg.spec()
+        self.tokenizer = TextTokenizer(self.spec, cfg.text_limits())
 
     def _tokens(self, request, texts: list) -> "pb_utils.InferenceResponse":
         """Asked for TOKEN_TEXT (the gateway's /tokenize): every token, untruncated, with its text."""
@@ -55,14 +44,9 @@ class TritonPythonModel:
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
-        self.metrics.observe(time.perf_counter() - started)
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("INPUT_IDS", enc.input_ids[None, :]),
-            pb_utils.Tensor("LENGTHS", enc.lengths[None, :]),
-            pb_utils.Tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :]),
-            pb_utils.Tensor("DIMENSIONS_OUT", np.array([[dims]], dtype=np.int32)),
-            pb_utils.Tensor("NORMALIZE_OUT", np.array([[normalize]], dtype=bool)),
-            pb_utils.Tensor("ENCODING_OUT", np.array([[encoding.encode()]], dtype=object)),
-            pb_utils.Tensor("TOKEN_COUNT", enc.lengths),
-            pb_utils.Tensor("TRUNCATED", enc.truncated),
-        ])
+        return self._respond(pb_utils, enc, started, {
+            "PROMPT_LENGTHS": enc.prompt_lengths[None, :],
+            "DIMENSIONS_OUT": np.array([[dims]], dtype=np.int32),
+            "NORMALIZE_OUT": np.array([[normalize]], dtype=bool),
+            "ENCODING_OUT": np.array([[encoding.encode()]], dtype=object),
+        })

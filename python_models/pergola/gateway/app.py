@@ -1,7 +1,8 @@
 """The gateway's ASGI app (Starlette on uvicorn) and how it runs.
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
-/v1/rerank, /v2/rerank; NIM /v1/ranking; TEI /embed, /tokenize, /info, /health; /rerank takes either form.
+/v1/rerank, /v2/rerank; NIM /v1/ranking; vLLM /classify; TEI /embed, /predict, /tokenize, /info,
+/health; /rerank takes either form.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
+from pergola.gateway import classify_api, metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys
@@ -56,6 +57,8 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/v1/ranking", "cohere", rerank_api.nim_ranking),  # NVIDIA NIM's form: logits
         Route("/rerank", rerank_either, methods=["POST"]),
         route("/embed", "tei", tei_api.embed),
+        route("/predict", "tei", tei_api.predict),
+        route("/classify", "openai", classify_api.classify),  # vLLM's form
         route("/tokenize", "tei", tei_api.tokenize),
         route("/info", "tei", tei_api.info, "GET"),
         Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),

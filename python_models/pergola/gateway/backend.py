@@ -1,4 +1,5 @@
-"""What the routes ask of Triton: embeddings of texts or token ids, rerank scores; each request
+"""What the routes ask of Triton: embeddings of texts or token ids, rerank scores, class
+probabilities; each request
 cut into chunks that run concurrently on the replicas and are put back together in order.
 
 A chunk is at most `chunk_texts` texts and `chunk_chars` characters (a longer text is a chunk of
@@ -50,6 +51,12 @@ class RerankOptions:
     raw_scores: bool = False  # logits instead of their sigmoid
 
 
+@dataclass(frozen=True)
+class ClassifyOptions:
+    truncate: str | None = None  # NONE | START | END (None: the model's default)
+    raw_scores: bool = False  # logits instead of probabilities
+
+
 @dataclass
 class Embedded:
     vectors: np.ndarray  # [n, dim] of OUTPUTS[encoding]'s dtype ([n, ceil(dim / 8)] for binary)
@@ -60,6 +67,13 @@ class Embedded:
 class Reranked:
     scores: np.ndarray  # [n] float32, in input order
     tokens: np.ndarray  # [n] int: tokens per (query, document) pair after truncation
+
+
+@dataclass
+class Classified:
+    probs: np.ndarray  # [n, labels] float32, in input order (the logits with raw_scores)
+    labels: list[str]  # the label of each column
+    tokens: np.ndarray  # [n] int: tokens per input after truncation
 
 
 @dataclass
@@ -229,3 +243,41 @@ class Backend:
         parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks(sizes, self.chunk_texts,
                                                                                   self.chunk_chars)))
         return Reranked(np.concatenate([p.scores for p in parts]), np.concatenate([p.tokens for p in parts]))
+
+    async def classify(self, model: ServedModel, texts: list[str], pairs: list[str | None] | None = None,
+                       opts: ClassifyOptions = ClassifyOptions()) -> Classified:
+        """Class probabilities [n, labels] of `texts` (pairs[i]: text i's second sequence, None for
+        none), in input order. Single texts and pairs go in separate calls (TEXT_PAIR pairs all of
+        a call's texts)."""
+        pairs = pairs or [None] * len(texts)
+        groups = [[i for i, p in enumerate(pairs) if p is None], [i for i, p in enumerate(pairs) if p is not None]]
+        options = [_tensor("RAW_SCORES", np.array([True]), "BOOL")] if opts.raw_scores else []
+        if opts.truncate is not None:
+            options.append(_tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
+
+        async def one(index: list[int], paired: bool) -> Classified:
+            inputs = [*options, _tensor("TEXT", np.array([texts[i].encode("utf-8") for i in index], dtype=object),
+                                        "BYTES")]
+            if paired:
+                inputs.append(_tensor("TEXT_PAIR", np.array([pairs[i].encode("utf-8") for i in index],  # type: ignore[union-attr]
+                                                             dtype=object), "BYTES"))
+            result = await self._infer(model.name, inputs, ["PROBS", "LABELS", "TOKEN_COUNT"])
+            labels = [label.decode("utf-8") for label in result.as_numpy("LABELS").reshape(-1)]
+            return Classified(result.as_numpy("PROBS"), labels, result.as_numpy("TOKEN_COUNT"))
+
+        async def numbered(index: list[int], paired: bool) -> tuple[list[int], Classified]:
+            try:
+                return index, await _numbered(0, one(index, paired))
+            except TooLong as e:  # name the request's input, not the call's
+                raise TooLong(index[e.index], e.limit, e.message) from None
+
+        calls = [numbered(group[a:b], paired) for paired, group in enumerate(groups)
+                 for a, b in chunks([len(texts[i]) + len(pairs[i] or "") for i in group], self.chunk_texts,
+                                    self.chunk_chars)]
+        parts = await asyncio.gather(*calls)
+        labels = parts[0][1].labels
+        probs = np.empty((len(texts), len(labels)), dtype=np.float32)
+        tokens = np.empty(len(texts), dtype=np.int64)
+        for index, part in parts:
+            probs[index], tokens[index] = part.probs, part.tokens
+        return Classified(probs, labels, tokens)

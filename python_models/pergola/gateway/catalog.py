@@ -1,10 +1,10 @@
 """Which models the Triton servers serve, as the gateway's routes name them.
 
-A served name is an ensemble of the repository (`embed`, `rerank`, or a model's own name);
+A served name is an ensemble of the repository (`embed`, `rerank`, `classify`, or a model's own name);
 its first step names the model's parts (NAME_tokenizer, NAME_encoder), and the encoder's
 config.pbtxt parameters carry the model's settings (pergola.config.EngineConfig: limits,
 dtype, pooling, kernels). With the admin token the repository index lists every ensemble;
-without it the gateway looks for `embed`, `rerank` and the names it was given.
+without it the gateway looks for `embed`, `rerank`, `classify` and the names it was given.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from pergola.gateway.replicas import CONTROL_TIMEOUT_S
 from pergola.options import convert
 
 log = logging.getLogger("pergola.gateway")
-ALIASES = ("embed", "rerank")
+ALIASES = ("embed", "rerank", "classify")
 
 
 @dataclass
 class ServedModel:
     name: str  # what requests say in `model`
     target: str  # the model behind it: NAME_tokenizer, NAME_encoder
-    task: str  # "embed" or "rerank"
+    task: str  # "embed", "rerank" or "classify"
     settings: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields from config.pbtxt
 
     def limit(self, name: str) -> Any:
@@ -68,6 +68,8 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
         return None
     target = steps[0]["model_name"].removesuffix("_tokenizer")
     task = "rerank" if any(i["name"] == "QUERY" for i in config.get("input", [])) else "embed"
+    if any(o["name"] == "PROBS" for o in config.get("output", [])):
+        task = "classify"
     try:
         encoder = (await client.get_model_config(f"{target}_encoder", as_json=True,
                                                  client_timeout=CONTROL_TIMEOUT_S))["config"]

@@ -15,7 +15,7 @@ from pergola.gateway.options import GatewayOptions
 from pergola.gateway.replicas import ReplicaPool
 
 log = logging.getLogger("pergola.gateway")
-DEFAULT_MODELS = {"embed": "embed", "rerank": "rerank"}  # task -> served name when a request names none
+DEFAULT_MODELS = {"embed": "embed", "rerank": "rerank", "classify": "classify"}  # task -> served name when a request names none
 
 
 def api_keys(opts: GatewayOptions) -> list[str]:

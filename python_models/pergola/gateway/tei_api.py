@@ -1,10 +1,14 @@
-"""text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `POST /tokenize`,
-`GET /info`, `GET /health`; errors as {"error", "error_type"}.
+"""text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `POST /predict`,
+`POST /tokenize`, `GET /info`, `GET /health`; errors as {"error", "error_type"}.
 
     /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "truncation_direction":
               "Right", "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
     /rerank  {"query", "texts", "return_text": false, "raw_scores": false, "truncate": null,
               "truncation_direction": "Right"}  ->  [{"index", "score", "text"?}] best first
+
+    /predict {"inputs": "..." | ["a", "b"] (a pair) | [["a"], ["b", "c"], ...] (a batch),
+              "raw_scores": false, "truncate": null, "truncation_direction": "Right"}
+             ->  [{"label", "score"}] best first, or one such list per input of a batch
 
 `raw_scores: true` answers the logit (a cross-encoder's before its sigmoid, a Qwen3-Reranker's
 logit(yes) - logit(no)) instead of sigmoid(logit).
@@ -24,7 +28,7 @@ from starlette.responses import Response
 
 from pergola.errors import RequestError, read_strings
 from pergola.gateway import rerank_api
-from pergola.gateway.backend import EmbedOptions, TooLong
+from pergola.gateway.backend import ClassifyOptions, EmbedOptions, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, JSONResponse, Keys, error_response, read_body
@@ -53,19 +57,21 @@ def _too_long(e: TooLong, field: str) -> GatewayError:
                         field)
 
 
-async def _inputs(gw: Gateway, request: Request) -> tuple[Body, ServedModel, list[str]]:
-    """An embedding model's body: the body, the model it names, its `inputs` checked against the limits."""
+async def text_inputs(gw: Gateway, request: Request, task: str = "embed",
+                      field: str = "inputs") -> tuple[Body, ServedModel, list[str]]:
+    """A body of texts for a `task` model: the body, the model it names, its `field` (a string or
+    strings) checked against the limits."""
     body = await read_body(request, gw.opts.max_body_bytes)
-    model = await gw.model(body.get("model", str), "embed")
-    raw = body.get("inputs", (str, list), required=True)
+    model = await gw.model(body.get("model", str), task)
+    raw = body.get(field, (str, list), required=True)
     texts = [raw] if isinstance(raw, str) else raw
     if not all(isinstance(t, str) for t in texts):
-        raise GatewayError(422, "`inputs` must be a string or a list of strings", "inputs")
-    return body, model, read_strings(texts, "inputs", "text", model.text_limits())
+        raise GatewayError(422, f"`{field}` must be a string or a list of strings", field)
+    return body, model, read_strings(texts, field, "text", model.text_limits())
 
 
 async def embed(gw: Gateway, request: Request) -> Any:
-    body, model, texts = await _inputs(gw, request)
+    body, model, texts = await text_inputs(gw, request)
     opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.positive("dimensions"),
                         normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
     try:
@@ -88,6 +94,44 @@ async def tei_rerank(gw: Gateway, body: Body) -> JSONResponse:
                         headers={"x-total-tokens": str(int(out.tokens.sum()))})
 
 
+def _sequences(raw: object) -> tuple[list[str], list[str | None], bool]:
+    """TEI's /predict `inputs` -> (texts, each text's pair or None, whether it was a batch): a
+    string or a list of one or two strings is one input, a list of such lists a batch."""
+    def sequence(item: object) -> tuple[str, str | None]:
+        if isinstance(item, list) and len(item) in (1, 2) and all(isinstance(s, str) for s in item):
+            return item[0], item[1] if len(item) == 2 else None
+        raise GatewayError(422, "`inputs` must be a string, a pair [\"text\", \"text pair\"], or a batch of "
+                                "those as lists: [[\"text\"], [\"text\", \"text pair\"]]", "inputs")
+
+    if isinstance(raw, str):
+        return [raw], [None], False
+    if isinstance(raw, list) and raw and all(isinstance(s, str) for s in raw):
+        first, second = sequence(raw)
+        return [first], [second], False
+    items = [sequence(item) for item in raw] if isinstance(raw, list) else [sequence(raw)]
+    return [a for a, _ in items], [b for _, b in items], True
+
+
+async def predict(gw: Gateway, request: Request) -> Any:
+    """TEI's /predict: each input's labels with their probabilities (logits with raw_scores), best first."""
+    body = await read_body(request, gw.opts.max_body_bytes)
+    model = await gw.model(body.get("model", str), "classify")
+    texts, pairs, batched = _sequences(body.get("inputs", (str, list), required=True))
+    texts = read_strings(texts, "inputs", "text", model.text_limits())
+    seconds = [p for p in pairs if p is not None]
+    if seconds:
+        read_strings(seconds, "inputs", "text pair", model.text_limits(), used_chars=sum(map(len, texts)))
+    opts = ClassifyOptions(truncate=_truncation(body, model), raw_scores=body.get("raw_scores", bool, False))
+    try:
+        out = await gw.backend.classify(model, texts, pairs, opts)
+    except TooLong as e:
+        raise _too_long(e, "inputs") from None
+    predictions = [[{"score": float(row[j]), "label": out.labels[j]} for j in np.argsort(-row, kind="stable")]
+                   for row in out.probs]
+    return JSONResponse(predictions if batched else predictions[0],
+                        headers={"x-total-tokens": str(int(out.tokens.sum()))})
+
+
 async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
     """`/rerank` speaks TEI when the body has `texts`, Cohere/Jina when it has `documents` (the
     key is checked once the body says which envelope an error goes in)."""
@@ -106,7 +150,7 @@ async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
 async def tokenize(gw: Gateway, request: Request) -> list[list[dict[str, Any]]]:
     """TEI's /tokenize: each input's tokens as the served model's tokenizer makes them (its
     prompt first, untruncated): {id, text, special, start, stop}, offsets in characters."""
-    body, model, texts = await _inputs(gw, request)
+    body, model, texts = await text_inputs(gw, request)
     out = await gw.backend.tokenize(model, texts, body.get("prompt_name", str),
                                     body.get("add_special_tokens", bool, True))
     tokens = [{"id": int(i), "text": piece.decode("utf-8"), "special": bool(start < 0),
