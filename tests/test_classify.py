@@ -25,13 +25,15 @@ TEXTS = ["I loved every minute of it.", "The service was slow and the food was c
          "🚀 rockets and emoji", "words " * 700]  # the last is over the limit: cut at its end
 PAIRS = [("A man is eating.", "Someone eats food."), ("A cat sleeps.", "The stock market fell " * 200)]
 MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else 2e-2
+TOPICS = ("news", 'say "hi"\\', "sports")  # quotes and a backslash travel through config.pbtxt
+LABELS = {"bert": list(CLASSIFIER_LABELS), "xlmr": list(TOPICS)}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("classifiers")
     return {"bert": make_classifier_folder(root / "bert", "bert", seed=3),
-            "xlmr": make_classifier_folder(root / "xlmr", "xlm-roberta", seed=4,
+            "xlmr": make_classifier_folder(root / "xlmr", "xlm-roberta", seed=4, labels=TOPICS,
                                            problem_type="multi_label_classification")}
 
 
@@ -140,7 +142,7 @@ def test_server_matches_transformers(served, folders, name, kind):
         return result.as_numpy("PROBS"), [s.decode() for s in result.as_numpy("LABELS")]
 
     probs, labels = infer(name, raw=False)
-    assert labels == list(CLASSIFIER_LABELS) and probs.shape == (len(TEXTS), 3)
+    assert labels == LABELS[kind] and probs.shape == (len(TEXTS), 3)
     np.testing.assert_allclose(probs, reference_probs(folders[kind], logits), atol=MAX_DIFF, rtol=0)
     np.testing.assert_allclose(infer(name, raw=True)[0], logits, atol=MAX_DIFF, rtol=0)
     if name == "sentiment":  # the first classifier is also `classify`
@@ -182,9 +184,12 @@ def test_vllm_classify(served, folders):
     assert status == 200, out
     assert [d["index"] for d in out["data"]] == list(range(len(TEXTS)))
     np.testing.assert_allclose([d["probs"] for d in out["data"]], probs, atol=MAX_DIFF, rtol=0)
-    assert [d["label"] for d in out["data"]] == [CLASSIFIER_LABELS[j] for j in probs.argmax(axis=1)]
+    assert [d["label"] for d in out["data"]] == [TOPICS[j] for j in probs.argmax(axis=1)]
     assert all(d["num_classes"] == 3 for d in out["data"]) and out["usage"]["prompt_tokens"] > len(TEXTS)
     status, err = post(base, "/classify", {"model": "sentiment", "input": "x", "truncate": "sideways"})
     assert status == 422, err
     status, err = post(base, "/embed", {"model": "topics", "inputs": "x"})
     assert status == 400 and "classify model" in err["error"]
+    with urllib.request.urlopen(f"{base}/info?model=topics", timeout=30) as r:
+        info = json.loads(r.read())
+    assert info["model_type"] == {"classifier": {"id2label": {str(i): label for i, label in enumerate(TOPICS)}}}

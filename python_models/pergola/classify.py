@@ -49,9 +49,6 @@ class ClassifyTokenizer:
             tok.no_padding()
             tok.enable_truncation(self.max_length, strategy="longest_first", direction=side)
             self._cutters[mode] = tok
-        self._whole = Tokenizer.from_file(str(spec.tokenizer_file))
-        self._whole.no_padding()
-        self._whole.no_truncation()
 
     def read_request(self, texts: list[str | bytes], pairs: list[str | bytes] | None) -> list[str | tuple[str, str]]:
         """The inputs decoded and checked against the limits (a pair's two texts count together)."""
@@ -71,12 +68,8 @@ class ClassifyTokenizer:
         mode = truncate_mode(truncate)
         encodings = self._cutters["START" if mode == "START" else "END"].encode_batch(inputs)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int32, count=len(encodings))
-        # Only an input that came out at the limit may have been cut: count its whole tokens.
-        at_limit = np.flatnonzero(lengths >= self.max_length)
-        truncated = np.zeros(len(encodings), dtype=bool)
-        if at_limit.size:
-            whole = self._whole.encode_batch([inputs[i] for i in at_limit])
-            truncated[at_limit] = [len(e.ids) > self.max_length for e in whole]
+        # What truncation cut off comes back as `overflowing` (nothing for an input that fits).
+        truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(encodings))
         if mode == "NONE" and truncated.any():
             i = int(np.flatnonzero(truncated)[0])
             raise RequestError(f"TEXT[{i}] has more than {self.max_length} tokens, over this model's limit of "

@@ -20,6 +20,7 @@ import numpy as np
 from pergola.hf_folder import ModelSpec
 
 Activation = Literal["sigmoid", "softmax"]
+LABELS_PARAMETER = "labels"  # a classifier's encoder config.pbtxt: its label names, a JSON list
 # Tasks whose answer is a head's output per sequence ([n, num_labels]) rather than a pooled embedding.
 HEAD_TASKS = ("rerank", "classify")
 

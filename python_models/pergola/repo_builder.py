@@ -11,6 +11,7 @@ in ensemble_configs/, adapters from python_models/.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,7 @@ from pathlib import Path
 from string import Template
 
 from pergola.config import EngineConfig, TritonModelOptions
+from pergola.heads import LABELS_PARAMETER, label_names
 from pergola.hf_folder import load_model_spec
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -41,9 +43,14 @@ def model_name_for(folder: str | Path) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", base).strip("_.") or "model"
 
 
+def _quoted(value: str) -> str:
+    """A protobuf text-format string literal's body (label names may hold quotes)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _parameters_block(params: dict[str, str]) -> str:
     items = [
-        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in sorted(params.items())
+        f'parameters {{ key: "{k}" value: {{ string_value: "{_quoted(v)}" }} }}' for k, v in sorted(params.items())
     ]
     return "\n".join(items)
 
@@ -89,6 +96,8 @@ def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
     tok_template, tok_adapter, enc_template, ens_template, _ = TASKS[spec.task]
     params = {k: v for k, v in cfg.to_parameters().items() if k != "model_dir"}
     params.pop("device", None)  # the instance kind decides the device
+    if spec.task == "classify":  # the column names of PROBS, for clients that read the config (TEI's /info)
+        params[LABELS_PARAMETER] = json.dumps(label_names(spec))
     block = _parameters_block(params)
     name = entry.name
     for part, template, adapter in (("tokenizer", tok_template, tok_adapter), ("encoder", enc_template, "encoder")):

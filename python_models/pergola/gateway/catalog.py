@@ -9,6 +9,7 @@ without it the gateway looks for `embed`, `rerank`, `classify` and the names it 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -20,6 +21,7 @@ from pergola.admin import GRPC_ADMIN_HEADER
 from pergola.config import EngineConfig
 from pergola.errors import StringLimits
 from pergola.gateway.replicas import CONTROL_TIMEOUT_S
+from pergola.heads import LABELS_PARAMETER
 from pergola.options import convert
 
 log = logging.getLogger("pergola.gateway")
@@ -32,6 +34,7 @@ class ServedModel:
     target: str  # the model behind it: NAME_tokenizer, NAME_encoder
     task: str  # "embed", "rerank" or "classify"
     settings: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields from config.pbtxt
+    labels: list[str] = field(default_factory=list)  # a classifier's label names (config.pbtxt `labels`)
 
     def limit(self, name: str) -> Any:
         """An EngineConfig limit as this model's server has it (its default if not written)."""
@@ -75,7 +78,9 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
                                                  client_timeout=CONTROL_TIMEOUT_S))["config"]
     except InferenceServerException:
         return None
-    return ServedModel(name, target, task, _settings(encoder.get("parameters", {})))
+    parameters = encoder.get("parameters", {})
+    labels = json.loads(parameters.get(LABELS_PARAMETER, {}).get("string_value") or "[]")
+    return ServedModel(name, target, task, _settings(parameters), labels)
 
 
 async def discover(client: grpcaio.InferenceServerClient, admin_token: str | None,

@@ -163,14 +163,17 @@ async def tokenize(gw: Gateway, request: Request) -> list[list[dict[str, Any]]]:
 async def info(gw: Gateway, request: Request) -> dict[str, Any]:
     """What TEI's /info says, for the default model of each task (or ?model=NAME)."""
     catalog = await gw.catalog()
-    name = request.query_params.get("model") or next((n for n in ("embed", "rerank") if n in catalog), None)
+    name = request.query_params.get("model") or next((n for n in ("embed", "rerank", "classify") if n in catalog),
+                                                     None)
     if name not in catalog:
         raise GatewayError(503 if not catalog else 404, "no model is served yet" if not catalog
                            else f"model {name!r} is not served here")
     model = catalog[name]
     settings = model.settings
-    kind = {"embedding": {"pooling": settings.get("pooling") or "model default"}} if model.task == "embed" \
-        else {"reranker": {"id2label": {"0": "score"}}}
+    kind = {"embed": {"embedding": {"pooling": settings.get("pooling") or "model default"}},
+            "rerank": {"reranker": {"id2label": {"0": "score"}}},
+            "classify": {"classifier": {"id2label": {str(i): label for i, label in enumerate(model.labels)}}},
+            }[model.task]
     return {"model_id": model.target, "served_name": name, "model_type": kind,
             "hub_id": settings.get("model_id"), "model_sha": settings.get("model_revision"),  # pergola.hub
             "model_dtype": settings.get("dtype", "auto"),
