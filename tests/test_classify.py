@@ -1,6 +1,7 @@
 """Sequence classification (`classify`): engine, Triton ensemble and gateway routes against
 transformers' AutoModelForSequenceClassification (FP32, CPU), on seeded folders in the BERT
-(softmax, pairs with token types) and XLM-R (multi-label: sigmoid) shapes. One server for the module."""
+(softmax, pairs with token types) and XLM-R (multi-label: sigmoid) shapes, ModernBERT (mean
+classifier pooling) through the engine. One server for the module."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("classifiers")
     return {"bert": make_classifier_folder(root / "bert", "bert", seed=3),
             "xlmr": make_classifier_folder(root / "xlmr", "xlm-roberta", seed=4, labels=TOPICS,
-                                           problem_type="multi_label_classification")}
+                                           problem_type="multi_label_classification"),
+            "modernbert": make_classifier_folder(root / "modernbert", "modernbert", seed=5)}
 
 
 def reference_logits(folder: Path, texts: list[str], pairs: list[str] | None = None) -> np.ndarray:
@@ -46,7 +48,8 @@ def reference_logits(folder: Path, texts: list[str], pairs: list[str] | None = N
     rows = []
     with torch.no_grad():
         for i, text in enumerate(texts):
-            feats = tok(text, pairs[i] if pairs else None, truncation=True, max_length=512, return_tensors="pt")
+            feats = tok(text, pairs[i] if pairs else None, truncation=True, return_tensors="pt",
+                        max_length=load_model_spec(folder).max_seq_length)
             rows.append(model(**feats).logits[0].numpy())
     return np.stack(rows)
 
@@ -67,14 +70,14 @@ def engine_logits(engine: Engine, texts: list[str], pairs: list[str] | None = No
 
 
 def test_folder_says_classify(folders):
-    for folder in folders.values():
+    for kind, folder in folders.items():
         spec = load_model_spec(folder)
-        assert (spec.task, spec.pooling, spec.num_labels) == ("classify", "cls", 3)
+        assert (spec.task, spec.pooling, spec.num_labels) == ("classify", "mean" if kind == "modernbert" else "cls", 3)
     assert activation(load_model_spec(folders["bert"])) == "softmax"
     assert activation(load_model_spec(folders["xlmr"])) == "sigmoid"
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlmr"])
+@pytest.mark.parametrize("kind", ["bert", "xlmr", "modernbert"])
 def test_engine_matches_transformers(folders, kind):
     folder = folders[kind]
     engine = Engine(EngineConfig(model_dir=str(folder)))

@@ -801,9 +801,11 @@ def make_classifier_folder(out_dir: str | Path, kind: str = "bert", seed: int = 
     """A ...ForSequenceClassification folder with several labels (served as `classify`), written
     by transformers' save_pretrained with seeded random weights: "bert" in all-MiniLM-L6-v2's shape
     cut to 2 layers, on the real MiniLM tokenizer (token types for pairs); "xlm-roberta" in the tiny
-    XLM-R shape on a trained Unigram tokenizer. `problem_type`: the config's
+    XLM-R shape on a trained Unigram tokenizer; "modernbert" in the tiny ModernBERT shape (mean
+    classifier pooling) on a trained byte-level BPE tokenizer. `problem_type`: the config's
     ("multi_label_classification": a sigmoid per label instead of softmax)."""
-    from transformers import BertConfig, BertForSequenceClassification, XLMRobertaForSequenceClassification
+    from transformers import (BertConfig, BertForSequenceClassification, ModernBertForSequenceClassification,
+                              XLMRobertaForSequenceClassification)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -819,12 +821,15 @@ def make_classifier_folder(out_dir: str | Path, kind: str = "bert", seed: int = 
     elif kind == "xlm-roberta":
         vocab_size = save_xlm_roberta_tokenizer(out, min(512, XLMR_SHAPES["tiny"]["max_position_embeddings"] - 2))
         config = xlm_roberta_config("tiny", vocab_size)
+    elif kind == "modernbert":
+        config = modernbert_config("tiny", save_modernbert_tokenizer(out, 8192), classifier_pooling="mean")
     else:
-        raise ValueError(f"kind must be bert or xlm-roberta, got {kind!r}")
+        raise ValueError(f"kind must be bert, xlm-roberta or modernbert, got {kind!r}")
     config.id2label = dict(enumerate(labels))
     config.label2id = {name: i for i, name in enumerate(labels)}
     config.problem_type = problem_type
-    model_class = BertForSequenceClassification if kind == "bert" else XLMRobertaForSequenceClassification
+    model_class = {"bert": BertForSequenceClassification, "xlm-roberta": XLMRobertaForSequenceClassification,
+                   "modernbert": ModernBertForSequenceClassification}[kind]
     torch.manual_seed(seed)
     _save_hf_model(perturb_(model_class(config), seed), out, torch.float32)
     return out
