@@ -148,7 +148,15 @@ def test_server_matches_transformers(served, folders, name, kind):
     assert labels == LABELS[kind] and probs.shape == (len(TEXTS), 3)
     np.testing.assert_allclose(probs, reference_probs(folders[kind], logits), atol=MAX_DIFF, rtol=0)
     np.testing.assert_allclose(infer(name, raw=True)[0], logits, atol=MAX_DIFF, rtol=0)
-    if name == "sentiment":  # the first classifier is also `classify`
+    if name == "sentiment":  # the first classifier is also `classify`; pairs through the client
+        from pergola_client import PergolaClient
+
+        firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+        with PergolaClient(f"127.0.0.1:{process.grpc}") as pergola:
+            result = pergola.classify(firsts, seconds, raw_scores=True)
+        assert result.labels == list(CLASSIFIER_LABELS)
+        np.testing.assert_allclose(result.probs, reference_logits(folders[kind], firsts, seconds), atol=MAX_DIFF,
+                                   rtol=0)
         np.testing.assert_allclose(infer("classify", raw=False)[0], probs, atol=0, rtol=0)
 
 

@@ -34,6 +34,11 @@ class RerankResult(NamedTuple):
     indices: np.ndarray  # [k] int32, best document first (k = top_n, or n)
 
 
+class ClassifyResult(NamedTuple):
+    probs: np.ndarray  # [n, labels] float32, in input order (the logits with raw_scores)
+    labels: list[str]  # the label of each column (the model's id2label)
+
+
 def _protocol_module(protocol: str) -> Any:
     if protocol == "grpc":
         import tritonclient.grpc as module
@@ -128,6 +133,20 @@ class PergolaClient:
         name = model or ("rerank" if self.model == "embed" else self.model)
         result = self._infer(name, inputs, ["SCORE", "INDICES"])
         return RerankResult(result.as_numpy("SCORE"), result.as_numpy("INDICES"))
+
+    def classify(self, texts: Sequence[str], pairs: Sequence[str] | None = None, model: str = "classify",
+                 raw_scores: bool = False, truncate: bool | str | None = None) -> ClassifyResult:
+        """Label probabilities of `texts` (pairs: each text's second sequence) from a classifier
+        (served as `classify` by default); `raw_scores`: the logits."""
+        inputs = [self._input("TEXT", np.array([t.encode("utf-8") for t in texts], dtype=object), "BYTES")]
+        if pairs is not None:
+            inputs.append(self._input("TEXT_PAIR", np.array([p.encode("utf-8") for p in pairs], dtype=object),
+                                      "BYTES"))
+        if raw_scores:
+            inputs.append(self._input("RAW_SCORES", np.array([True]), "BOOL"))
+        inputs += self._truncate(truncate)
+        result = self._infer(model, inputs, ["PROBS", "LABELS"])
+        return ClassifyResult(result.as_numpy("PROBS"), [s.decode("utf-8") for s in result.as_numpy("LABELS")])
 
     def embed_tokens(self, token_ids: Sequence[Sequence[int]], model: str | None = None,
                      dimensions: int | None = None, encoding: str = "float32") -> np.ndarray:
