@@ -54,7 +54,7 @@ class FakeClient:
 
 @pytest.fixture
 def pool(monkeypatch):
-    monkeypatch.setattr(replicas.grpcaio, "InferenceServerClient", FakeClient)
+    monkeypatch.setattr(replicas, "connect", FakeClient)
     return replicas.ReplicaPool(["10.0.0.1:8001", "10.0.0.2:8001"])
 
 
