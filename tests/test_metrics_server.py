@@ -203,7 +203,7 @@ def test_a_callers_trace_runs_through_the_gateways_spans_into_tritons(served, co
                 by_service.setdefault(service, []).append(span)
         return by_service
 
-    # Triton's exporter sends its batch every 5 s (a loaded CI host: more). In one CI run of 2-core
+    # Triton's exporter sends its batch every 5 s (a loaded CI host: more). In one CI run on a 2-core
     # machine no span of Triton's came in 60 s while the gateway's did: the same traced call is
     # sent again every 15 s (its spans join the same trace), so one lost export does not fail it.
     start = time.monotonic()
