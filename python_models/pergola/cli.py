@@ -49,6 +49,8 @@ class BuildOptions:
                        metavar="DIR")
     device: str = option("auto", "encoder instances on the GPU (KIND_GPU) or the CPU; auto: the GPU when torch "
                                  "sees one", choices=("auto", "cpu", "gpu"))
+    gpus: str = option("", "GPUs for encoder instances, one instance on each (e.g. 0,1); empty: every GPU "
+                           "Triton sees", metavar="N,N...")
 
 
 MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` | all-MiniLM-L6-v2 | a Hugging Face "
@@ -128,7 +130,14 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
         entries.append(entry_from_folder(source.folder, name or source.name, **source.settings(), **settings))
         if source.repo_id:
             print(f"{entries[-1].name}: {source.label} ({source.folder})", flush=True)
-    repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device))
+    try:
+        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus.strip() else None
+    except ValueError:
+        raise SystemExit(f"--gpus takes GPU numbers separated by commas (e.g. 0,1), got {args.gpus!r}") from None
+    try:
+        repo = build_repository(args.repo, entries, gpu=_use_gpu(args.device), gpus=gpus)
+    except ValueError as e:
+        raise SystemExit(f"--gpus {args.gpus!r}: {e}") from None
     print(f"repository: {repo} (models: {', '.join(e.name for e in entries)})")
     return repo
 

@@ -87,7 +87,21 @@ TASKS = {
 }
 
 
-def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
+def instance_group(gpu: bool, gpus: list[int] | None = None) -> str:
+    """The encoder's instance_group body: one instance on the CPU, or one per GPU: every GPU
+    Triton sees (no `gpus` list), or those listed. Each instance's stub takes its own device
+    (triton_io.instance_device: `model_instance_device_id`)."""
+    if not gpu:
+        if gpus:
+            raise ValueError("a GPU list needs encoder instances on the GPU (--device gpu)")
+        return "kind: KIND_CPU count: 1"
+    if gpus is not None and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
+        raise ValueError(f"GPUs must be distinct device numbers (0, 1, ...), got {gpus}")
+    listed = f" gpus: [ {', '.join(str(g) for g in gpus)} ]" if gpus else ""
+    return f"kind: KIND_GPU count: 1{listed}"
+
+
+def write_model(repo: Path, entry: ModelEntry, group: str) -> str:
     """Write NAME_tokenizer, NAME_encoder and the ensemble NAME; returns the model's task."""
     cfg = entry.config
     spec = cfg.spec()  # fails here, with a clear message, rather than at server start
@@ -105,7 +119,7 @@ def write_model(repo: Path, entry: ModelEntry, instance_kind: str) -> str:
         mdir.mkdir(parents=True, exist_ok=True)
         triton = entry.triton
         (mdir / "config.pbtxt").write_text(_render(
-            template, name=name, parameters=block, instance_kind=instance_kind,
+            template, name=name, parameters=block, instance_group=group,
             tokenizer_instances=triton.tokenizer_instances, max_batch_requests=triton.max_batch_requests,
             max_queue_size=triton.max_queue_size, queue_timeout_us=triton.queue_timeout_ms * 1000,
         ))
@@ -145,9 +159,11 @@ def write_ensemble(repo: Path, ensemble: str, name: str, template: str) -> None:
     (edir / "config.pbtxt").write_text(_render(template, ensemble=ensemble, name=name))
 
 
-def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, clean: bool = True) -> Path:
+def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, clean: bool = True,
+                     gpus: list[int] | None = None) -> Path:
     """Write the repository for `entries`; the first embedding model is also served as `embed`,
-    the first reranker as `rerank`, the first classifier as `classify`."""
+    the first reranker as `rerank`, the first classifier as `classify`. Encoders run on the CPU,
+    or one instance on each GPU (`gpus`: those listed; None: every GPU Triton sees)."""
     repo = Path(repo).expanduser().resolve()
     if not entries:
         raise ValueError("no models to build")
@@ -155,13 +171,13 @@ def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, cle
     aliases = {alias for *_, alias in TASKS.values()}
     if len(set(names)) != len(names) or aliases & set(names):
         raise ValueError(f"model names must be unique and not {sorted(aliases)}: {names}")
+    group = instance_group(gpu, gpus)  # before anything is removed: a bad list changes nothing
     if clean and repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(parents=True, exist_ok=True)
-    kind = "KIND_GPU" if gpu else "KIND_CPU"
     aliased: set[str] = set()
     for entry in entries:
-        task = write_model(repo, entry, kind)
+        task = write_model(repo, entry, group)
         *_, ens_template, alias = TASKS[task]
         if alias not in aliased:
             write_ensemble(repo, alias, entry.name, ens_template)
