@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.client
 import json
 import sys
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -38,7 +40,6 @@ from pergola.gateway.options import GatewayOptions  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
 from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
 from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
-
 
 
 class Gateway:
@@ -108,6 +109,35 @@ def concurrency(port: int, texts: list[str], in_flight: int, total: int) -> dict
     return percentiles(latencies) | {"requests_per_s": len(latencies) / wall}
 
 
+@contextlib.contextmanager
+def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
+                  **options) -> Iterator[tuple[ServerOptions, int | None]]:
+    """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway;
+    -> (server ports, gateway port or None) once both answer."""
+    entry = entry_from_folder(folder, NAME, **options)
+    repo = build_repository(workdir / "repo", [entry], gpu=gpu)
+    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = start(opts, log_path=workdir / "tritonserver.log")
+    gw_port = free_port() if gateway else None
+    gw = gw_port and spawn(GatewayOptions(triton=f"127.0.0.1:{opts.grpc_port}", gateway_port=gw_port,
+                                          gateway_bind="127.0.0.1", models=NAME))
+    try:
+        wait_ready(opts.http_port, server, timeout=300)
+        print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
+        for _ in range(600 if gw_port else 0):  # the gateway finds the model once the server is up
+            try:
+                Gateway(gw_port).embed([1, 2, 3])
+                break
+            except (OSError, RuntimeError):
+                time.sleep(0.1)
+        yield opts, gw_port
+    finally:
+        if gw:
+            gw.terminate()
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "minilm", "qwen3-tiny"])
@@ -121,27 +151,13 @@ def main() -> None:
     folder = model_folder(args.model, workdir)
     windows = TokenWindows(load_model_spec(folder).tokenizer_file)
     quick = args.device == "cpu"
-    # (no load shedding: the bulk suite queues more work than a CPU finishes in the default 10 s)
-    entry = entry_from_folder(folder, NAME, max_queue_seconds=0.0)
-    repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    server = start(opts, log_path=workdir / "tritonserver.log")
-    url = f"127.0.0.1:{opts.grpc_port}"
-    gw_port = free_port()
-    gateway = spawn(GatewayOptions(triton=url, gateway_port=gw_port, gateway_bind="127.0.0.1", models=NAME))
     res: dict = {"model": args.model, "device": args.device, "command": " ".join(sys.argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    try:
-        wait_ready(opts.http_port, server, timeout=300)
+    # (no load shedding: the bulk suite queues more work than a CPU finishes in the default 10 s)
+    with pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0) as (opts, gw_port):
+        url = f"127.0.0.1:{opts.grpc_port}"
         mod, client = grpc_client(url)
         gw = Gateway(gw_port)
-        for _ in range(600):  # the gateway finds the model once the server is up
-            try:
-                gw.embed([1, 2, 3])
-                break
-            except (OSError, RuntimeError):
-                gw = Gateway(gw_port)
-                time.sleep(0.1)
         check = windows.ids(128, 4, seed=1)
         direct, through = infer_tokens(client, mod, check), gw.embed([s.tolist() for s in check])
         res["max_abs_diff_gateway_vs_triton"] = float(np.abs(direct - through).max())
@@ -177,10 +193,6 @@ def main() -> None:
         for n in ([1, 4] if quick else [1, 4, 16]):
             row = res["concurrency"][n] = concurrency(gw_port, texts, n, 40 if quick else args.concurrency_n)
             print(f"  gateway, {n:2d} in flight: p50 {row['p50']:.2f} ms, {row['requests_per_s']:.0f} req/s", flush=True)
-    finally:
-        gateway.terminate()
-        server.terminate()
-        server.wait(timeout=60)
     write_result(res, args.out)
 
 

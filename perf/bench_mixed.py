@@ -15,56 +15,22 @@ how each load is timed; the goal (issue: one engine for both traffic patterns) i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mixed  # noqa: E402
-from bench_gateway import Gateway  # noqa: E402
+from bench_gateway import Gateway, pergola_stack  # noqa: E402
 from mixed import LOADS, QUERY  # noqa: E402
-from bench_server import NAME, grpc_client, infer_text, infer_tokens  # noqa: E402
+from bench_server import grpc_client, infer_text, infer_tokens  # noqa: E402
 from common import model_folder, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.gateway.app import spawn  # noqa: E402
-from pergola.gateway.options import GatewayOptions  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
-
-@contextlib.contextmanager
-def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
-                  **options) -> Iterator[tuple[ServerOptions, int | None]]:
-    """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway;
-    -> (server ports, gateway port or None) once both answer."""
-    entry = entry_from_folder(folder, NAME, **options)
-    repo = build_repository(workdir / "repo", [entry], gpu=gpu)
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    server = start(opts, log_path=workdir / "tritonserver.log")
-    gw_port = free_port() if gateway else None
-    gw = gw_port and spawn(GatewayOptions(triton=f"127.0.0.1:{opts.grpc_port}", gateway_port=gw_port,
-                                          gateway_bind="127.0.0.1", models=NAME))
-    try:
-        wait_ready(opts.http_port, server, timeout=300)
-        print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
-        for _ in range(600 if gw_port else 0):  # the gateway finds the model once the server is up
-            try:
-                Gateway(gw_port).embed([1, 2, 3])
-                break
-            except (OSError, RuntimeError):
-                time.sleep(0.1)
-        yield opts, gw_port
-    finally:
-        if gw:
-            gw.terminate()
-        server.terminate()
-        server.wait(timeout=60)
-
+from pergola.server import ServerOptions  # noqa: E402
 
 # --- senders (module level: the bulk processes are spawned) -----------------------------------
 def grpc_ids_sender(url: str):

@@ -48,7 +48,6 @@ import argparse
 import base64
 import http.client
 import json
-import multiprocessing as mp
 import os
 import platform
 import signal

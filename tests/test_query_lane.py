@@ -204,6 +204,7 @@ def test_on_a_gpu_queries_run_between_bulk_layers_and_change_nothing(tmp_path_fa
     assert order[-1] == "bulk", order
     assert eng.runner.lanes[1].graphs.stats.replays > 0
     assert cosine_rows(got["bulk"], alone_bulk).min() >= 0.9999
+    # Cosine, not an absolute bound: raw last-token states of magnitude ~2 round differently in
+    # BF16 between the lone computation's eager warm-up and the lane's graph replay (0.078 seen).
     for i, a in enumerate(alone):
         assert cosine_rows(got[f"q{i}"], a).min() >= 0.9999
-        # (raw last-token states of magnitude ~2: bf16 rounding differs between eager warm-up and replay)

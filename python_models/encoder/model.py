@@ -18,7 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.config import EngineConfig
-from pergola.encodings import DEFAULT_ENCODING, encoded_outputs
+from pergola.encodings import encoded_outputs
 from pergola.classify import ClassifyOptions
 from pergola.heads import activate, activation, label_names
 from pergola.engine import EncodeRequest, Engine

@@ -6,7 +6,10 @@ meanwhile waited in Triton's queue behind every bulk request already taken (362 
 2.6 ms on the H200 under bulk load, perf/RESULTS.md). Here `execute()` only queues requests
 (the Python backend's response sender answers them later) and this thread packs every step
 from all queued requests (engine/scheduler.py: least work left first), so a query waits for
-at most the step in flight. Between steps it also drops requests whose client has gone (a
+at most the step in flight, and with the query lane (`query_tokens`) about one layer of it: its
+step runs between two layers of the bulk step (`_between_layers`; on the H200 under 100 x 512-token
+bulk requests a 128-token query took 3.90 ms p50, against 84.4 ms with one lane, perf/RESULTS.md
+"Mixed traffic"). Between steps it also drops requests whose client has gone (a
 cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
 once when the queued work would take longer than `max_queue_seconds` at the measured
 throughput, or than the request's own timeout: load is shed by work, not by request count.
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.lazy import LazyTensor
@@ -184,8 +188,6 @@ class EncodeLoop:
     # --- the loop thread ----------------------------------------------------------------
     def _run(self) -> None:
         if self.engine.device.type == "cuda":
-            import torch
-
             torch.cuda.set_device(self.engine.device)  # the current device is per thread
         inflight: tuple[Step, LazyTensor] | None = None
 
@@ -279,8 +281,6 @@ class EncodeLoop:
         if self._side:
             self._collect_queries(block=True)  # launched a layer ago: it is next on the device
         elif self.engine.device.type == "cuda" and self._layer < self._layers - FREE_LAST_LAYERS:
-            import torch
-
             event = torch.cuda.Event()
             event.record()
             self._layer_events.append(event)

@@ -17,7 +17,7 @@ import itertools
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
 
 import tritonclient.grpc.aio as grpcaio
