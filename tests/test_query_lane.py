@@ -1,6 +1,7 @@
 """The query lane (engine/scheduler.py LaneQueue, engine/loop.py): a small request waits in a
-queue of its own, its step holds no bulk work, and it runs between two layers of the bulk step in
-flight, so it is answered before that step ends; results do not depend on any of this.
+queue of its own, its step comes first (topped up with bulk sequences that fit), and it runs
+between two layers of the bulk step in flight, so it is answered before that step ends; results
+do not depend on any of this.
 
 On the CPU the encode loop runs each step synchronously, so "between layers" is literal: the
 query's forward runs inside the bulk step's forward. The GPU form (its own buffers and graphs,
@@ -63,6 +64,29 @@ def test_without_query_tokens_it_is_one_queue():
     assert step.lane == 0 and [s.request for s in step.seqs][0] == "query" and step.num_tokens == 100 + 512
 
 
+def test_a_queries_step_is_topped_up_with_bulk_sequences_that_fit():
+    q = LaneQueue(max_batch_tokens=1024, max_batch_seqs=64, query_tokens=256, fill_tokens=512)
+    assert q.fill_tokens == 256  # never more than the lane's budget
+    q.add("bulk", [100] * 6 + [300])
+    q.add("query", [50])
+    step = q.next_step()
+    assert step.lane == 1 and [s.request for s in step.seqs] == ["query", "bulk", "bulk"]
+    assert step.num_tokens == 250 and [s.index for s in step.seqs[1:]] == [0, 1]
+    step = q.next_step()  # the bulk request goes on where the queries' step left it
+    assert step.lane == 0 and [s.index for s in step.seqs] == [2, 3, 4, 5, 6] and step.num_tokens == 700
+    q.add("long", [4000])
+    q.add("query", [10])
+    step = q.next_step()  # a bulk sequence over the fill budget stays for a bulk step
+    assert [s.request for s in step.seqs] == ["query"] and q.bulk.queued_tokens == 4000
+
+
+def test_without_fill_tokens_a_queries_step_holds_queries_only():
+    q = LaneQueue(max_batch_tokens=1024, max_batch_seqs=64, query_tokens=256, fill_tokens=0)
+    q.add("bulk", [100] * 8)
+    q.add("query", [50])
+    assert [s.request for s in q.next_step().seqs] == ["query"]
+
+
 # --- the loop ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(minilm_folder) -> Engine:
@@ -109,6 +133,46 @@ def test_a_query_is_answered_between_the_layers_of_the_bulk_step_in_flight(engin
     assert engine.stats["steps"] >= 2
     np.testing.assert_allclose(results["query"], alone_query, atol=1e-5)
     np.testing.assert_allclose(results["bulk"], alone_bulk, atol=1e-5)
+
+
+def test_bulk_sequences_carried_by_queries_steps_equal_their_lone_computation(engine):
+    """A bulk request larger than one step, queries arriving while it runs: the queries' steps
+    carry some of its sequences (fill), and every row, query or bulk, equals its lone value."""
+    bulk = ids_request(48, 64, seed=4)  # 3,072 tokens: a 2,048-token step and more queued
+    queries = [ids_request(1, 24 + 8 * i, seed=30 + i) for i in range(3)]
+    alone_bulk, alone = engine.encode([bulk])[0], [engine.encode([q])[0] for q in queries]
+    filled: list[int] = []
+    got: dict[str, np.ndarray] = {}
+    done, started = threading.Event(), threading.Event()
+    loop = EncodeLoop(engine)
+    hook, pick = engine.runner.layer_hook, loop._queue.next_query_step
+
+    def counting_pick():
+        step = pick()
+        if step is not None:
+            filled.append(sum(s.request != step.seqs[0].request for s in step.seqs))
+        return step
+
+    def deliver(name: str, r: np.ndarray) -> None:
+        got[name] = r.copy()
+        if len(got) == len(queries) + 1:
+            done.set()
+
+    loop._queue.next_query_step = counting_pick
+    engine.runner.layer_hook = lambda: (started.set(), hook())
+    try:
+        loop.submit(Job(bulk, deliver=lambda r: deliver("bulk", r), fail=print))
+        assert started.wait(30)
+        for i, q in enumerate(queries):
+            loop.submit(Job(q, deliver=lambda r, i=i: deliver(f"q{i}", r), fail=print))
+        assert done.wait(90), sorted(got)
+    finally:
+        loop.stop()
+        engine.runner.layer_hook = hook
+    assert sum(filled) > 0, filled  # some bulk sequences rode in queries' steps
+    np.testing.assert_allclose(got["bulk"], alone_bulk, atol=1e-5)
+    for i in range(len(queries)):
+        np.testing.assert_allclose(got[f"q{i}"], alone[i], atol=1e-5)
 
 
 def test_queries_cannot_starve_bulk_work(engine):

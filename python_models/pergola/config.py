@@ -38,6 +38,10 @@ class EngineConfig:
                                      "their steps hold no bulk work and run between the layers of a large "
                                      "step in flight, so a query waits about one layer, not a whole step "
                                      "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
+    query_fill_tokens: int = option(2048, "a queries' step is topped up with queued bulk sequences to this many "
+                                          "tokens (at most query_tokens): a small step costs the GPU nearly as "
+                                          "much as one of 2k tokens, so the bulk work it carries is nearly free "
+                                          "(engine/scheduler.py LaneQueue); 0: queries' steps hold queries only")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
     max_texts: int = option(1024, "most texts in one embedding request")
     max_documents: int = option(1024, "most documents in one rerank request")
@@ -86,8 +90,9 @@ class EngineConfig:
         for name in ("attention_backend", "eager_attention_backend"):
             if getattr(self, name) not in ATTENTION_BACKENDS:
                 raise ValueError(f"{name} must be one of {ATTENTION_BACKENDS}, got {getattr(self, name)!r}")
-        if self.query_tokens < 0:
-            raise ValueError(f"query_tokens must be 0 (off) or positive, got {self.query_tokens}")
+        for name in ("query_tokens", "query_fill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
         for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",

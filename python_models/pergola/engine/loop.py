@@ -108,7 +108,7 @@ class EncodeLoop:
         self.throughput = Throughput()
         self.completed: list[Job] = []  # the jobs the latest step finished
         cfg = engine.cfg
-        self._queue = LaneQueue(cfg.step_tokens, cfg.max_batch_seqs, cfg.query_tokens)
+        self._queue = LaneQueue(cfg.step_tokens, cfg.max_batch_seqs, cfg.query_tokens, cfg.query_fill_tokens)
         # Queries' steps in flight beside the main pipeline, oldest first (at most two: their lane
         # has two result buffers), and the events that keep the host close behind the device.
         self._side: deque[tuple[Step, LazyTensor]] = deque()
