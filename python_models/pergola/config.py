@@ -35,7 +35,7 @@ class EngineConfig:
                                       "larger steps are slower per token (all-MiniLM-L6-v2 on one core: 2,848 "
                                       "tokens/s at 1,024, 2,218 at 16,384) and hold a query up for seconds")
     query_tokens: int = option(2048, "requests of at most this many tokens (queries) take a lane of their own: "
-                                     "their steps hold no bulk work and run between the layers of a large "
+                                     "their steps come first and run between the layers of a large "
                                      "step in flight, so a query waits about one layer, not a whole step "
                                      "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
     query_fill_tokens: int = option(2048, "a queries' step is topped up with queued bulk sequences to this many "
