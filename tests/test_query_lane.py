@@ -145,6 +145,8 @@ def test_bulk_sequences_carried_by_queries_steps_equal_their_lone_computation(en
     got: dict[str, np.ndarray] = {}
     done, started = threading.Event(), threading.Event()
     loop = EncodeLoop(engine)
+    assert loop._queue.fill_tokens == 0  # off on a CPU, where it would only slow queries down
+    loop._queue.fill_tokens = 256  # on here to check the rows it carries
     hook, pick = engine.runner.layer_hook, loop._queue.next_query_step
 
     def counting_pick():

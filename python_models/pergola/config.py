@@ -41,7 +41,8 @@ class EngineConfig:
     query_fill_tokens: int = option(2048, "a queries' step is topped up with queued bulk sequences to this many "
                                           "tokens (at most query_tokens): a small step costs the GPU nearly as "
                                           "much as one of 2k tokens, so the bulk work it carries is nearly free "
-                                          "(engine/scheduler.py LaneQueue); 0: queries' steps hold queries only")
+                                          "(engine/scheduler.py LaneQueue; GPU only); 0: queries' steps hold "
+                                          "queries only")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
     max_texts: int = option(1024, "most texts in one embedding request")
     max_documents: int = option(1024, "most documents in one rerank request")

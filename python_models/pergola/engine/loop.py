@@ -108,7 +108,9 @@ class EncodeLoop:
         self.throughput = Throughput()
         self.completed: list[Job] = []  # the jobs the latest step finished
         cfg = engine.cfg
-        self._queue = LaneQueue(cfg.step_tokens, cfg.max_batch_seqs, cfg.query_tokens, cfg.query_fill_tokens)
+        # Filling queries' steps pays only on a GPU: on a CPU a step's time grows with its tokens from the first.
+        fill = cfg.query_fill_tokens if engine.device.type == "cuda" else 0
+        self._queue = LaneQueue(cfg.step_tokens, cfg.max_batch_seqs, cfg.query_tokens, fill)
         # Queries' steps in flight beside the main pipeline, oldest first (at most two: their lane
         # has two result buffers), and the events that keep the host close behind the device.
         self._side: deque[tuple[Step, LazyTensor]] = deque()
