@@ -16,6 +16,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # without torch (tokenizer instances and the CLI read it); tests/test_attention_backends.py keeps
 # the two equal.
 ATTENTION_BACKENDS = ("auto", "sdpa", "torch_flash", "flashinfer_fa2", "flashinfer_fa3", "flash_attn4", "triton")
+# pergola.layers.fp8.QUANTIZATIONS, spelled out for the same reason (tests/test_fp8.py keeps them equal).
+QUANTIZATIONS = ("none", "fp8")
 # cuda_graph_max_tokens' default; the attention probe's largest class of graph steps ends there.
 CUDA_GRAPH_MAX_TOKENS = 4096
 
@@ -70,6 +72,11 @@ class EngineConfig:
     matmul: str = option("auto", "auto: Triton tiles where they measured faster on this GPU (a built-in "
                                  "H100/H200 table), else cuBLAS; cublas; or a tile-table JSON from "
                                  "perf/bench_gemm.py --write-tiles", metavar="auto|cublas|FILE")
+    quantization: str = option("none", "fp8: the transformer layers' projections in FP8 (e4m3 weights with a "
+                                       "scale per output channel, activations with a scale per token; GPUs of "
+                                       "compute capability 8.9+, dtype bfloat16); norms, attention, pooling, "
+                                       "embeddings and heads stay in BF16 (README: FP8)",
+                                choices=QUANTIZATIONS)
     cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
                                  "own threads keep a core (on 2 cores, two threads stalled 4-10% of batch-1 "
                                  "requests ~0.5 s)")
@@ -110,6 +117,11 @@ class EngineConfig:
             if not Path(self.matmul).is_file():
                 raise ValueError(f"matmul must be 'auto', 'cublas' or a tile-table JSON file, got {self.matmul!r}")
             self.matmul = str(Path(self.matmul).resolve())  # the Triton stub runs in another directory
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.dtype in ("float32", "float16"):
+            raise ValueError(f"quantization fp8 needs dtype bfloat16 (FP8 matmuls write BF16), got dtype "
+                             f"{self.dtype}: use --dtype bfloat16 (or auto) or --quantization none")
         for name in ("task", "pooling"):
             choices = next(f for f in fields(self) if f.name == name).metadata["choices"]
             if getattr(self, name) is not None and getattr(self, name) not in choices:

@@ -149,7 +149,8 @@ class ModelRunner:
             self.startup["cuda_init"] = time.perf_counter() - t0
             t0 = time.perf_counter()
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
-        self.model = build_model(spec, device, self.dtype, self.matmul_tiles)  # each projection keeps its rows
+        self.model = build_model(spec, device, self.dtype, self.matmul_tiles,  # each projection keeps its rows
+                                 cfg.quantization)
         self.startup["weights"] = time.perf_counter() - t0
         self.probe: ProbeResult | None = None
         # (most tokens, backend) rules for graph steps, and the backend of large eager steps.

@@ -17,6 +17,9 @@ Which kernel and tile serve which M is a table measured on the GPU (`perf/bench_
 it); shapes the table does not cover, and every CPU call, take the PyTorch path. Numerics are
 the reference's: fp32 accumulation, one rounding to the model dtype; `gated` rounds gate and up
 to the dtype before SiLU, as HF's separate ops do.
+
+FP8 (`--quantization fp8`, pergola.layers.fp8): `Linear.to_fp8` swaps a projection's weight for
+e4m3 + per-channel scales after loading; its forward then runs `fp8_linear` (no tiles).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergola.layers.fp8 import fp8_linear, quantize_weight
 from pergola.layers.fused import HAVE_TRITON, silu_and_mul, use_triton
 
 if HAVE_TRITON:
@@ -294,7 +298,8 @@ class Linear(nn.Module):
     """y = x @ W^T (+ bias): [M, in_features] -> [M, out_features], weight [out, in] as in nn.Linear.
 
     A projection without bias runs on the Triton tile its M picks from `tiles`, else cuBLAS; with
-    a bias it is cuBLAS with the bias in the epilogue (no tile has one).
+    a bias it is cuBLAS with the bias in the epilogue (no tile has one). After `to_fp8` the weight
+    is e4m3 with `weight_scale` [1, out] and every call is one FP8 matmul (`fp8_linear`).
     """
 
     kind = "plain"  # the tile table's kind for this projection
@@ -308,6 +313,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_buffer("weight_scale", None)  # [1, out] fp32 once the weight is FP8
         self.tiles: TileRows = ()  # cuBLAS until select_tiles
 
     @property
@@ -315,9 +321,16 @@ class Linear(nn.Module):
         """N of this projection's matmul (the tile table's key)."""
         return self.weight.shape[0]
 
+    def to_fp8(self) -> None:
+        """Quantize the loaded weight to e4m3 with one scale per output row (in place, once)."""
+        q, scale = quantize_weight(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+        self.tiles = ()
+
     def select_tiles(self, table: TileTable) -> None:
         """Keep this projection's rows of `table` (tiles_for the device the model is built on)."""
-        if self.bias is None:
+        if self.bias is None and self.weight_scale is None:
             self.tiles = tile_rows(table, self.kind, self.output_columns, self.weight.shape[1])
 
     def tile(self, x: torch.Tensor) -> Tile | None:
@@ -328,6 +341,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] -> [M, out]; residual [M, out]: the product is added to it in place (`linear`)."""
+        if self.weight_scale is not None:  # FP8: the bias rides in the matmul, the residual is one add
+            y = fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return y if residual is None else residual.add_(y)
         if self.bias is not None:
             y = F.linear(x, self.weight, self.bias)
             return y if residual is None else residual.add_(y)
@@ -361,6 +377,8 @@ class GateUpLinear(MergedLinear):
         return self.weight.shape[0] // 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return silu_and_mul(fp8_linear(x, self.weight, self.weight_scale))
         return gated_linear(x, self.weight, self.tile(x))
 
 

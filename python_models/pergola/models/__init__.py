@@ -9,6 +9,7 @@ onto its parameters in the attributes of `Model`.
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 
 import torch
@@ -16,9 +17,12 @@ from safetensors import safe_open
 from torch import nn
 
 from pergola.hf_folder import ModelFolderError, ModelSpec
+from pergola.layers.fp8 import check_supported, quantize_layers
 from pergola.layers.linear import TileTable, default_weight_loader, select_tiles
 from pergola.pooling import attach_dense
 from pergola.rerank import answer_ids, reranker_kind
+
+log = logging.getLogger(__name__)
 
 # architecture -> (module, class)
 ARCHITECTURES = {
@@ -112,9 +116,16 @@ def _materialize(model: Model, device: torch.device, dtype: torch.dtype) -> Mode
     return model
 
 
-def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles: TileTable) -> Model:
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles: TileTable,
+                quantization: str = "none") -> Model:
     """Instantiate the architecture without initialising it, load the folder's weights, and give
-    each projection its rows of `tiles` (layers.linear.tiles_for this device)."""
+    each projection its rows of `tiles` (layers.linear.tiles_for this device).
+
+    quantization "fp8": the transformer layers' projections become FP8 once loaded
+    (layers.fp8.quantize_layers; refused where FP8 cannot run, before any weight is read).
+    """
+    if quantization == "fp8":
+        check_supported(device, dtype)
     kwargs: dict = {"task": spec.task}
     if spec.architecture in TAKES_CAUSAL:
         kwargs["causal"] = spec.causal
@@ -125,6 +136,11 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     model = _materialize(model, device, dtype)
     load_weights(model, spec.path)
     model.post_load()
+    if quantization == "fp8":  # before the Dense stack is attached: heads stay in the model dtype
+        skipped = quantize_layers(model, spec.hf_config["num_hidden_layers"])
+        if skipped:
+            log.warning("fp8: %d projections keep BF16 weights (K or N not a multiple of 16): %s", len(skipped),
+                        ", ".join(skipped[:8]))
     if spec.dense:  # sentence-transformers Dense modules after pooling (EmbeddingGemma, LaBSE)
         attach_dense(model, spec.dense, device, dtype)
     select_tiles(model, tiles)
