@@ -45,8 +45,8 @@ from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: 
 class Gateway:
     """One keep-alive HTTP connection to the gateway (one per thread or process)."""
 
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    def __init__(self, port: int, timeout: float = 120.0) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
 
     def embed(self, inputs: object, base64_out: bool = False) -> np.ndarray:
         body = json.dumps({"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {}))
@@ -124,18 +124,29 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
     try:
         wait_ready(opts.http_port, server, timeout=300)
         print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
-        for _ in range(600 if gw_port else 0):  # the gateway finds the model once the server is up
-            try:
-                Gateway(gw_port).embed([1, 2, 3])
-                break
-            except (OSError, RuntimeError):
-                time.sleep(0.1)
+        gw_port = gw_port and _first_answer(gw_port, deadline=time.monotonic() + 120)
         yield opts, gw_port
     finally:
         if gw:
             gw.terminate()
         server.terminate()
         server.wait(timeout=60)
+
+
+def _first_answer(port: int, deadline: float) -> int | None:
+    """The gateway finds the model once the server is up: wait for its first answer, each try
+    bounded; -> its port, or None (with the reason printed) if it never answered, so that the
+    Triton figures of the run still come out."""
+    error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            Gateway(port, timeout=10).embed([1, 2, 3])
+            return port
+        except (OSError, RuntimeError) as e:
+            error = e
+            time.sleep(0.2)
+    print(f"the gateway did not answer /v1/embeddings within 120 s ({error!r}): measuring without it", flush=True)
+    return None
 
 
 def main() -> None:
@@ -155,6 +166,8 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     # (no load shedding: the bulk suite queues more work than a CPU finishes in the default 10 s)
     with pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0) as (opts, gw_port):
+        if gw_port is None:
+            raise SystemExit("the gateway never answered: nothing to measure (its log is above)")
         url = f"127.0.0.1:{opts.grpc_port}"
         mod, client = grpc_client(url)
         gw = Gateway(gw_port)
