@@ -184,7 +184,7 @@ def main() -> None:
     p.add_argument("--latency-n", type=int, default=100)
     p.add_argument("--variant", nargs="*", default=[], metavar="LABEL:FIELD=VALUE[,FIELD=VALUE]",
                    help="also time the engine with these EngineConfig overrides, e.g. "
-                        "fa3:attention_backend=flashinfer_fa3 budget32k:max_batch_tokens=32768")
+                        "fa3:attention_backend=flashinfer_fa3 budget32k:max_batch_tokens=32768 fp8:quantization=fp8")
     p.add_argument("--profile", action="store_true", help="print the top kernels of batch-1 steps")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the script")
     p.add_argument("--backends", nargs="+", default=["torch_flash", "sdpa", "flashinfer_fa2", "flashinfer_fa3"])

@@ -42,6 +42,7 @@ from common import (  # noqa: E402
 )
 from inputs import TokenWindows  # noqa: E402
 
+from pergola.config import EngineConfig  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
 from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
 from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
@@ -241,6 +242,16 @@ def run_perf_analyzer(url: str, windows: TokenWindows, length: int, workdir: Pat
             "latency_ms": {k.split()[0]: v / 1e3 for k, v in us.items()}}
 
 
+def engine_options(pairs: list[str], folder: Path) -> dict[str, object]:
+    """--option NAME=VALUE pairs as EngineConfig values, typed and checked as config.pbtxt parameters are."""
+    params = dict(pair.split("=", 1) for pair in pairs)
+    cfg = EngineConfig.from_parameters(params, model_dir=str(folder))
+    unknown = set(params) - set(vars(cfg))
+    if unknown:
+        raise SystemExit(f"--option: {sorted(unknown)} are not EngineConfig fields")
+    return {name: getattr(cfg, name) for name in params}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b",
@@ -251,6 +262,8 @@ def main() -> None:
     p.add_argument("--concurrency-n", type=int, default=200)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--eager-attention-backend", default="auto", help="e.g. flashinfer_fa2 for big steps")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an encoder option (EngineConfig field) for this run, e.g. quantization=fp8")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/server.json")
     args = p.parse_args()
@@ -268,8 +281,9 @@ def main() -> None:
     conc_length = 128 if quick or args.model == "minilm" else 512
 
     rerank = args.model.startswith("qwen3-reranker")
+    options = engine_options(args.option, folder)
     entry = entry_from_folder(folder, NAME, eager_attention_backend=args.eager_attention_backend,
-                              task="rerank" if rerank else "")
+                              task="rerank" if rerank else "", **options)
     repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     t0 = time.perf_counter()
@@ -282,7 +296,7 @@ def main() -> None:
         mod, client = grpc_client(url)
         device = "cuda" if args.device == "gpu" else "cpu"
         res: dict = {"model": args.model, "device": args.device, "server_ready_s": ready_s,
-                     "eager_attention_backend": args.eager_attention_backend,
+                     "eager_attention_backend": args.eager_attention_backend, "options": options,
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
         hf = None
         if rerank:  # a reranker runs the scoring suite only
