@@ -17,6 +17,7 @@ from functools import partial
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pergola.adapter_timing import AdapterTiming
 from pergola.config import EngineConfig
 from pergola.encodings import encoded_outputs
 from pergola.classify import ClassifyOptions
@@ -55,20 +56,32 @@ class TritonPythonModel:
                                      f"{runner.probe.micros}")
         self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention, flush_s=self.cfg.metrics_flush_s,
                                       info=info_labels(self.cfg))
-        self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds,
-                               on_step=lambda: self.metrics.update(self.engine.stats, self.loop),
+        self.timing = AdapterTiming.from_env(self.model_name)  # None unless PERGOLA_ADAPTER_TIMING is set
+        self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds, on_step=self._on_step,
                                on_idle=lambda: self.metrics.flush(self.engine.stats), on_fatal=self._fatal)
 
-    def _decode(self, request) -> tuple[EncodeRequest, EmbedOptions | RerankOptions | ClassifyOptions]:
+    def _on_step(self) -> None:
+        if self.timing is None:
+            self.metrics.update(self.engine.stats, self.loop)
+            return
+        t0 = time.monotonic_ns()
+        self.metrics.update(self.engine.stats, self.loop)
+        self.timing.metrics_ns.append(time.monotonic_ns() - t0)
+
+    def _decode(self, request, marks: dict | None = None) -> tuple[EncodeRequest, EmbedOptions | RerankOptions | ClassifyOptions]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
-        when execute() returns, before the loop computes it."""
+        when execute() returns, before the loop computes it. `marks`: pergola.adapter_timing."""
         req = EncodeRequest(
             input_ids=required_array(pb_utils, request, "INPUT_IDS", np.int64),
             lengths=required_array(pb_utils, request, "LENGTHS", np.int32),
             prompt_lengths=optional_array(pb_utils, request, "PROMPT_LENGTHS", np.int32),
             token_types=optional_array(pb_utils, request, "TOKEN_TYPE_IDS", np.int64),
         )
+        if marks is not None:
+            marks["decoded"] = time.monotonic_ns()
         self.engine.validate(req)
+        if marks is not None:
+            marks["validated"] = time.monotonic_ns()
         if self.rerank:
             return req, rerank_options(pb_utils, request)
         if self.classify:
@@ -77,19 +90,30 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         now = time.monotonic()
+        timing = self.timing
         for request in requests:
+            marks = None if timing is None else timing.begin()
             sender = request.get_response_sender()
             try:
-                req, options = self._decode(request)
+                req, options = self._decode(request, marks)
                 timeout_us = request.timeout()  # Triton's per-request `timeout` parameter (0: none)
-                self.loop.submit(Job(req, deliver=partial(self._deliver, sender, options),
-                                     fail=partial(self._fail, sender), cancelled=sender.is_cancelled,
-                                     deadline=now + timeout_us / 1e6 if timeout_us else None))
+                job = Job(req, deliver=partial(self._deliver, sender, options, marks),
+                          fail=partial(self._fail, sender), cancelled=sender.is_cancelled,
+                          deadline=now + timeout_us / 1e6 if timeout_us else None,
+                          checked_at=now)  # not gone yet: asking (an IPC) can wait CANCEL_CHECK_S
+                if marks is not None:
+                    marks["options"], marks["job"] = time.monotonic_ns(), job
+                self.loop.submit(job)
+                if marks is not None:
+                    marks["submitted"] = time.monotonic_ns()
             except Exception as e:  # noqa: BLE001 - a bad or refused request fails alone
                 self._fail(sender, e)
         return None
 
-    def _deliver(self, sender, options: EmbedOptions | RerankOptions | ClassifyOptions, pooled: np.ndarray) -> None:
+    def _deliver(self, sender, options: EmbedOptions | RerankOptions | ClassifyOptions, marks: dict | None,
+                 pooled: np.ndarray) -> None:
+        if marks is not None:
+            marks["engine_done"], marks["started"] = time.monotonic_ns(), int(marks.pop("job").started_at * 1e9)
         if isinstance(options, ClassifyOptions):
             outputs = {"PROBS": activate(pooled, self.activation, options.raw_scores), "LABELS": self.labels}
         elif isinstance(options, RerankOptions):
@@ -97,7 +121,12 @@ class TritonPythonModel:
             outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:
             outputs = encoded_outputs(finish(pooled, options.dimensions, options.normalize), options.encoding)
-        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]), flags=FINAL)
+        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+        if marks is not None:
+            marks["built"] = time.monotonic_ns()
+        sender.send(response, flags=FINAL)
+        if marks is not None:
+            marks["sent"] = time.monotonic_ns()
 
     @staticmethod
     def _fail(sender, exc: BaseException) -> None:
@@ -120,3 +149,5 @@ class TritonPythonModel:
         self.loop.stop()
         self.metrics.flush(self.engine.stats)  # counts still waiting for the flush interval
         self.metrics.close()
+        if self.timing is not None:
+            self.timing.write()
