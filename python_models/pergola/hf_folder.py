@@ -29,6 +29,9 @@ RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen3")
 CLASSIFIERS = ("bert", "roberta", "xlm-roberta", "modernbert")
 # Model types whose positions start at padding index + 1 (fairseq numbering).
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
+# bge-m3's per-token heads (FlagEmbedding's BGEM3): the output each gives besides the dense vector,
+# and the state dict beside the model that holds it. An embedding folder with them serves them.
+TOKEN_HEADS = {"sparse": "sparse_linear.pt", "colbert": "colbert_linear.pt"}
 
 
 class ModelFolderError(ValueError):
@@ -68,6 +71,13 @@ class ModelSpec:
     default_prompt_name: str | None = None
     causal: bool = False
     dense: tuple[DenseModule, ...] = ()  # sentence-transformers Dense modules, in order
+    token_heads: tuple[str, ...] = ()  # bge-m3's heads found in the folder: keys of TOKEN_HEADS
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """What an embedding request may ask for (OUTPUTS): the dense vector, and bge-m3's
+        sparse lexical weights and ColBERT vectors where the folder has their heads."""
+        return ("dense", *self.token_heads)
 
     @property
     def hidden_size(self) -> int:
@@ -269,4 +279,5 @@ def load_model_spec(
         default_prompt_name=default_prompt,
         causal=folder_causal if causal is None else causal,
         dense=dense,
+        token_heads=tuple(h for h, f in TOKEN_HEADS.items() if (path / f).is_file()) if task == "embed" else (),
     )

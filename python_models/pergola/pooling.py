@@ -1,16 +1,17 @@
-"""Pooling on device (ragged), sentence-transformers Dense modules, and the per-request
-post-processing on host."""
+"""Pooling on device (ragged), sentence-transformers Dense modules, bge-m3's per-token heads, and
+the per-request post-processing on host."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from pergola.hf_folder import DenseModule, ModelFolderError
+from pergola.hf_folder import TOKEN_HEADS, DenseModule, ModelFolderError, ModelSpec
 from pergola.layers.linear import Linear
 
 # Dense activations by their saved name (hf_folder.DENSE_ACTIVATIONS), None: Identity.
@@ -69,6 +70,41 @@ def attach_dense(model: nn.Module, modules: tuple[DenseModule, ...], device: tor
                  dtype: torch.dtype) -> None:
     """Give `model` its Dense stack (`model.dense`), which the runner applies after pooling."""
     model.dense = DenseStack(modules, device, dtype)
+
+
+def _token_head(path: Path, hidden: int, device: torch.device, dtype: torch.dtype) -> nn.Linear:
+    """One head's Linear from its state dict (`weight` [out, hidden], `bias` [out]): torch's own, kept
+    out of the model's projection tiles and FP8 (a few matmuls per step, in the model's dtype)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if set(state) != {"weight", "bias"} or state["weight"].ndim != 2 or state["weight"].shape[1] != hidden:
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        raise ModelFolderError(f"{path}: expected a Linear({hidden}, out) state dict (weight, bias), got {shapes}")
+    layer = nn.Linear(hidden, state["weight"].shape[0], device=device, dtype=dtype)
+    layer.load_state_dict(state)
+    return layer
+
+
+class TokenHeads(nn.Module):
+    """bge-m3's heads over the last hidden states: [T, H] -> [T, width] fp32, the sparse weight in
+    column 0 (when the folder has it), then the normalised ColBERT vector (when it has that)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = int(spec.hf_config["hidden_size"])
+        heads = {name: _token_head(spec.path / TOKEN_HEADS[name], hidden, device, dtype) for name in spec.token_heads}
+        self.sparse, self.colbert = heads.get("sparse"), heads.get("colbert")
+        if self.sparse is not None and self.sparse.out_features != 1:
+            raise ModelFolderError(f"{spec.path / TOKEN_HEADS['sparse']}: the sparse head gives one weight per "
+                                   f"token, this one {self.sparse.out_features}")
+        self.width = (self.sparse is not None) + (0 if self.colbert is None else self.colbert.out_features)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        columns = []
+        if self.sparse is not None:
+            columns.append(torch.relu(self.sparse(hidden)).float())  # [T, 1]
+        if self.colbert is not None:
+            columns.append(nn.functional.normalize(self.colbert(hidden).float(), dim=-1))  # [T, D]
+        return torch.cat(columns, dim=1) if len(columns) > 1 else columns[0]
 
 
 def pool(

@@ -543,6 +543,22 @@ def make_xlm_roberta_folder(out_dir: str | Path, shape: str = "tiny", pooling: s
     return out
 
 
+def make_bge_m3_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+    """bge-m3's layout: an XLM-RoBERTa embedder (CLS + Normalize) with FlagEmbedding's
+    `sparse_linear.pt` (Linear(hidden, 1)) and `colbert_linear.pt` (Linear(hidden, hidden)) state
+    dicts beside it, all with seeded random weights."""
+    out = make_xlm_roberta_folder(out_dir, shape, pooling="cls", seed=seed, dtype=dtype)
+    hidden = XLMR_SHAPES[shape]["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for name, width in (("sparse_linear.pt", 1), ("colbert_linear.pt", hidden)):
+        # Half the sparse weights come out positive: ReLU keeps some tokens, drops others.
+        state = {"weight": torch.randn(width, hidden, generator=gen) * hidden ** -0.5,
+                 "bias": torch.randn(width, generator=gen) * 0.1}
+        torch.save({k: v.to(_torch_dtype(dtype)) for k, v in state.items()}, out / name)
+        (out / name).chmod(0o644)
+    return out
+
+
 def make_xlm_roberta_reranker_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0,
                                      dtype: str = "float32") -> Path:
     """An XLMRobertaForSequenceClassification reranker (bge-reranker-v2-m3 layout: "roberta.*"

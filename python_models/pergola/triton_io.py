@@ -17,9 +17,11 @@ from pergola.classify import ClassifyOptions
 from pergola.encodings import check_encoding
 from pergola.errors import RequestError, bounded, decode_utf8
 from pergola.rerank import RerankOptions
+from pergola.token_outputs import DEFAULT_OUTPUTS, check_outputs
 from pergola.tokenization import truncate_mode
 
 MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)
+MAX_OPTION_NAMES = 8  # a list option (OUTPUTS) holds a few names
 
 
 def optional_single(pb_utils: Any, request: Any, name: str) -> Any | None:
@@ -45,6 +47,17 @@ def optional_scalar(pb_utils: Any, request: Any, name: str) -> Any | None:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def optional_names(pb_utils: Any, request: Any, name: str) -> list[str] | None:
+    """An optional list of short names (OUTPUTS: BYTES [k] or [1, k]), decoded; None when not sent."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1).tolist()
+    if len(values) > MAX_OPTION_NAMES or any(len(v) > MAX_OPTION_BYTES for v in values):
+        raise RequestError(f"{name} takes at most {MAX_OPTION_NAMES} short names")
+    return decode_utf8(values, name)
+
+
 def required_strings(pb_utils: Any, request: Any, name: str) -> list[bytes]:
     """A 1-D BYTES input ([n] strings) as a list of bytes, refused if missing or of another shape."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -62,6 +75,7 @@ class EmbedOptions(NamedTuple):
     dimensions: int  # leading dimensions kept, 0: all
     normalize: bool
     encoding: str  # pergola.encodings
+    outputs: tuple[str, ...] = DEFAULT_OUTPUTS  # dense, sparse, colbert (pergola.token_outputs)
 
 
 class TokenizerAdapter:
@@ -127,15 +141,18 @@ def classify_options(pb_utils: Any, request: Any) -> ClassifyOptions:
     return ClassifyOptions(bool(optional_scalar(pb_utils, request, "RAW_SCORES") or False))
 
 
-def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool) -> EmbedOptions:
-    """An embedding request's DIMENSIONS (0 = all), NORMALIZE and ENCODING, checked and defaulted."""
+def embed_options(pb_utils: Any, request: Any, hidden: int, default_normalize: bool,
+                  offered: tuple[str, ...] = DEFAULT_OUTPUTS) -> EmbedOptions:
+    """An embedding request's DIMENSIONS (0 = all), NORMALIZE, ENCODING and OUTPUTS (of those the
+    model `offered`), checked and defaulted."""
     dims = int(optional_scalar(pb_utils, request, "DIMENSIONS") or 0)
     if dims and not 1 <= dims <= hidden:
         raise RequestError(f"DIMENSIONS={dims} is out of range; this model gives 1..{hidden} dimensions "
                            "(0 or omitted = all)")
     normalize = optional_scalar(pb_utils, request, "NORMALIZE")
     normalize = default_normalize if normalize is None else bool(normalize)
-    return EmbedOptions(dims, normalize, check_encoding(optional_scalar(pb_utils, request, "ENCODING"), normalize))
+    return EmbedOptions(dims, normalize, check_encoding(optional_scalar(pb_utils, request, "ENCODING"), normalize),
+                        check_outputs(optional_names(pb_utils, request, "OUTPUTS"), offered))
 
 
 def required_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray:

@@ -34,7 +34,7 @@ class TritonPythonModel(TokenizerAdapter):
             if "TOKEN_TEXT" in request.requested_output_names():
                 return self._tokens(request, texts)
             self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
-            dims, normalize, encoding = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize)
+            options = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize, self.spec.outputs)
             started = time.perf_counter()
             enc = self.tokenizer.encode(
                 texts,
@@ -46,7 +46,8 @@ class TritonPythonModel(TokenizerAdapter):
             return error_response(pb_utils, e)
         return self._respond(pb_utils, enc, started, {
             "PROMPT_LENGTHS": enc.prompt_lengths[None, :],
-            "DIMENSIONS_OUT": np.array([[dims]], dtype=np.int32),
-            "NORMALIZE_OUT": np.array([[normalize]], dtype=bool),
-            "ENCODING_OUT": np.array([[encoding.encode()]], dtype=object),
+            "DIMENSIONS_OUT": np.array([[options.dimensions]], dtype=np.int32),
+            "NORMALIZE_OUT": np.array([[options.normalize]], dtype=bool),
+            "ENCODING_OUT": np.array([[options.encoding.encode()]], dtype=object),
+            "OUTPUTS_OUT": np.array([[name.encode() for name in options.outputs]], dtype=object),
         })

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Hashable, Mapping
+from typing import Callable, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ class EncodeRequest:
     lengths: np.ndarray  # [n] int32
     prompt_lengths: np.ndarray | None = None  # [n] tokens left out of mean pooling
     token_types: np.ndarray | None = None  # [T] segment ids (cross-encoder pairs)
+    # [T, runner.token_width] fp32, given to get bge-m3's per-token outputs: filled as its steps finish.
+    token_rows: np.ndarray | None = None
 
 
 class Engine:
@@ -98,7 +100,8 @@ class Engine:
                hooked: bool = False) -> LazyTensor:
         """Start one step on the device and return without waiting (LazyTensor). `lane` and
         `hooked`: see ModelRunner.step (the encode loop's query lane)."""
-        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked)
+        tokens = any(requests[s.request].token_rows is not None for s in step.seqs)
+        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked, tokens=tokens)
         self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
                           **{f"steps_{self.runner.last_mode}": 1})
         return lazy
@@ -120,15 +123,31 @@ class Engine:
         for step in queue.steps():
             lazy = self.launch(step, by_key)  # packed while the last step runs
             if inflight is not None:
-                scatter(*inflight, results)
+                scatter(*inflight, results, by_key.get)
             inflight = (step, lazy)
         if inflight is not None:
-            scatter(*inflight, results)
+            scatter(*inflight, results, by_key.get)
         return results
 
 
-def scatter(step: Step, lazy: LazyTensor, results: Mapping[Hashable, np.ndarray] | list[np.ndarray]) -> None:
-    """Wait for a step and copy each sequence's row into its request's result."""
+def scatter(step: Step, lazy: LazyTensor, results: Mapping[Hashable, np.ndarray] | list[np.ndarray],
+            request_of: Callable[[Hashable], EncodeRequest | None]) -> None:
+    """Wait for a step and copy each sequence's row into its request's result (and its per-token rows)."""
     values = lazy.wait()
     for row, s in enumerate(step.seqs):
         results[s.request][s.index] = values[row]
+    file_token_rows(step, lazy.tokens(), request_of)
+
+
+def file_token_rows(step: Step, rows: np.ndarray | None, request_of: Callable[[Hashable], EncodeRequest | None]
+                    ) -> None:
+    """Copy the step's per-token rows ([step tokens, width], sequences in step order) into the
+    `token_rows` of the requests that gave one (request_of: key -> request, None once it is gone)."""
+    if rows is None:
+        return
+    offset = 0
+    for s in step.seqs:
+        request = request_of(s.request)
+        if request is not None and request.token_rows is not None:
+            request.token_rows[s.start:s.start + s.length] = rows[offset:offset + s.length]
+        offset += s.length

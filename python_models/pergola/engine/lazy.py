@@ -12,7 +12,11 @@ import torch
 
 
 class LazyTensor:
-    def __init__(self, device_result: torch.Tensor, host_buffer: torch.Tensor | None = None) -> None:
+    def __init__(self, device_result: torch.Tensor, host_buffer: torch.Tensor | None = None,
+                 tokens: torch.Tensor | None = None) -> None:
+        """`tokens`: per-token rows [T, width] that come along (bge-m3's heads, when asked), into
+        a pinned buffer of PyTorch's caching host allocator (their size varies with the step)."""
+        self._tokens = tokens
         if device_result.device.type == "cpu":
             self._host = device_result
             self._event = None
@@ -21,6 +25,9 @@ class LazyTensor:
         rows = device_result.shape[0]
         self._host = host_buffer[:rows]
         self._host.copy_(device_result, non_blocking=True)
+        if tokens is not None:
+            self._tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._tokens.copy_(tokens, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
 
@@ -33,3 +40,8 @@ class LazyTensor:
         if self._event is not None:
             self._event.synchronize()
         return self._host.numpy()
+
+    def tokens(self) -> np.ndarray | None:
+        """The per-token rows [T, width] on the host, or None when the step was not asked for
+        them; call after wait()."""
+        return None if self._tokens is None else self._tokens.numpy()

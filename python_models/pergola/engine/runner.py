@@ -29,7 +29,7 @@ from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for
 from pergola.models import build_model
-from pergola.pooling import pool
+from pergola.pooling import TokenHeads, pool
 
 log = logging.getLogger("pergola.runner")
 
@@ -64,15 +64,18 @@ class StaticBuffers:
 
     Layout for a step padded to t tokens and s sequences (views at fixed offsets per (s, t)):
       i64[0:t] ids | i64[t:2t] positions | i64[2t:3t] token types | i64[3t:4t] sequence ids
-      i32[0:s+1] cu_seqlens, f32[0:t] pooling weights, pooled[0:s] output [s, out_dim] fp32.
+      i32[0:s+1] cu_seqlens, f32[0:t] pooling weights, pooled[0:s] output [s, out_dim] fp32,
+      tokens[0:t] per-token output [t, token_width] fp32 (bge-m3's heads; None without them).
     """
 
-    def __init__(self, max_tokens: int, max_seqs: int, out_dim: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, out_dim: int, device: torch.device,
+                 token_width: int = 0) -> None:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.i64 = torch.zeros(4 * max_tokens, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.f32 = torch.zeros(max_tokens, dtype=torch.float32, device=device)
         self.pooled = torch.zeros(max_seqs, out_dim, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(max_tokens, token_width, device=device) if token_width else None
         self._host = [self._staging() for _ in range(2)]
         self._slot = 0
 
@@ -151,6 +154,9 @@ class ModelRunner:
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
         self.model = build_model(spec, device, self.dtype, self.matmul_tiles,  # each projection keeps its rows
                                  cfg.quantization)
+        # bge-m3's sparse / ColBERT heads: every step's hidden states go through them (TokenHeads).
+        self.token_heads = TokenHeads(spec, device, self.dtype) if spec.token_heads else None
+        self.token_width = self.token_heads.width if self.token_heads is not None else 0
         self.startup["weights"] = time.perf_counter() - t0
         self.probe: ProbeResult | None = None
         # (most tokens, backend) rules for graph steps, and the backend of large eager steps.
@@ -176,7 +182,7 @@ class ModelRunner:
 
     def _lane(self, max_tokens: int, index: int) -> Lane:
         max_seqs = self.cfg.max_batch_seqs + 1  # + the padding sequence
-        buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, self.device)
+        buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, self.device, self.token_width)
         graphs = None
         # Graphs only where every graph-step kernel declares itself graph-safe.
         graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
@@ -292,20 +298,22 @@ class ModelRunner:
                            None if weights is None else put(weights), meta)
 
     @torch.inference_mode()
-    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> torch.Tensor:
-        """-> pooled [B, hidden] fp32 on the device (a reranker or classifier: its logits [B, num_labels])."""
+    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (pooled [B, hidden] fp32 on the device (a reranker or classifier: its logits [B, num_labels]),
+        per-token rows [T, token_width] fp32 of bge-m3's heads, None for a model without them)."""
         hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
+        tokens = None if self.token_heads is None else self.token_heads(hidden)
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
         if self.spec.task in HEAD_TASKS:
-            return self.model.score(pooled)
+            return self.model.score(pooled), tokens
         dense = getattr(self.model, "dense", None)  # sentence-transformers Dense modules, after pooling
-        return pooled if dense is None else dense(pooled.to(self.dtype)).float()
+        return (pooled if dense is None else dense(pooled.to(self.dtype)).float()), tokens
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
     def _static_forward(self, lane: int, s: int, t: int, max_seqlen: int | None = None,
                         attn: AttentionBackend | None = None, plan: object | None = None) -> None:
-        """Forward over `lane`'s static buffers padded to (s, t); writes pooled[:s]. Graph-safe.
+        """Forward over `lane`'s static buffers padded to (s, t); writes pooled[:s] (and tokens[:t]). Graph-safe.
 
         GraphCache calls it with (lane, s, t) only, to warm up and capture a graph: the kernel of
         that step size, with the plan step() made for the key (kept by the graph for its replays).
@@ -315,7 +323,10 @@ class ModelRunner:
             attn, plan = self.graph_backend(t), self.lanes[lane].plans[(s, t)]
         # In a graph the longest sequence is unknown at capture: t bounds it.
         b = buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan)
-        buffers.pooled[:s].copy_(self.forward(b, attn))
+        pooled, tokens = self.forward(b, attn)
+        buffers.pooled[:s].copy_(pooled)
+        if tokens is not None:
+            buffers.tokens[:t].copy_(tokens)
 
     def _plan(self, lane: Lane, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> object | None:
         """The step's attention plan, for its metadata: host work once per step (FlashInfer), else None."""
@@ -324,12 +335,15 @@ class ModelRunner:
         return attn.plan(lane.buffers.cu_seqlens_host, *self.attention_heads(), self.spec.causal, graph_key=graph_key)
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
-             token_types: np.ndarray | None = None, lane: int = 0, hooked: bool = False) -> LazyTensor:
+             token_types: np.ndarray | None = None, lane: int = 0, hooked: bool = False,
+             tokens: bool = False) -> LazyTensor:
         """Launch one step (forward + pooling + copy to host) on `lane` and return without waiting.
-        A `hooked` step calls `layer_hook` between its layers when it runs eagerly."""
+        A `hooked` step calls `layer_hook` between its layers when it runs eagerly; with `tokens`
+        the per-token rows of bge-m3's heads come to the host too (LazyTensor.tokens)."""
         if not self.lanes:
             with self._armed(hooked):
-                return self._lazy(self.forward(self.prepare(input_ids, lengths, skips, token_types)))
+                pooled, rows = self.forward(self.prepare(input_ids, lengths, skips, token_types))
+                return self._lazy(pooled, tokens=rows if tokens else None)
         ln = self.lanes[lane]
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
         key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None else None
@@ -347,7 +361,8 @@ class ModelRunner:
             with self._armed(hooked):
                 self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan)
             self.last_mode = "eager"
-        return self._lazy(ln.buffers.pooled[:num_seqs], ln)
+        rows = ln.buffers.tokens if tokens else None
+        return self._lazy(ln.buffers.pooled[:num_seqs], ln, None if rows is None else rows[:num_tokens])
 
     @contextmanager
     def _armed(self, on: bool):
@@ -361,12 +376,12 @@ class ModelRunner:
         finally:
             self._hook_armed = False
 
-    def _lazy(self, pooled: torch.Tensor, lane: Lane | None = None) -> LazyTensor:
+    def _lazy(self, pooled: torch.Tensor, lane: Lane | None = None, tokens: torch.Tensor | None = None) -> LazyTensor:
         if pooled.device.type == "cpu":
-            return LazyTensor(pooled)
+            return LazyTensor(pooled, tokens=tokens)
         if lane is None:  # a GPU without lanes: the plain pair of result buffers
             self._plain_results.reverse()
-            return LazyTensor(pooled, self._plain_results[0])
+            return LazyTensor(pooled, self._plain_results[0], tokens)
         host = lane.results[lane.next_result]
         lane.next_result ^= 1
-        return LazyTensor(pooled, host)
+        return LazyTensor(pooled, host, tokens)

@@ -1,0 +1,240 @@
+"""bge-m3: the dense vector, sparse lexical weights and ColBERT vectors from one forward pass.
+
+A tiny XLM-R folder in bge-m3's layout (pergola.testing.make_bge_m3_folder: seeded random weights,
+FlagEmbedding's `sparse_linear.pt` / `colbert_linear.pt` beside the model) served through the real
+server: each output must equal FlagEmbedding's formulas (BGEM3's inference code) computed here
+with transformers on the same weights, a batch must equal its texts sent one by one, the ragged
+offsets must cut the answer per text, and a model without the heads must refuse them by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEST_DEVICE, TEXTS, cosine_rows
+from pergola.config import EngineConfig
+from pergola.engine import EncodeRequest, Engine
+from pergola.hf_folder import load_model_spec
+from pergola.tokenization import TextTokenizer
+from pergola.token_outputs import skipped_token_ids, sparse_outputs, token_outputs
+
+XLMR_TEXTS = [*TEXTS, "repeated words repeated words repeated", "text with a literal <pad> token inside <pad> it"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from pergola.testing import make_bge_m3_folder, make_xlm_roberta_folder
+
+    root = tmp_path_factory.mktemp("bge-m3")
+    return {"m3": make_bge_m3_folder(root / "m3", seed=11), "plain": make_xlm_roberta_folder(root / "plain", seed=12)}
+
+
+def flag_embedding(folder: Path, texts: list[str]) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
+    """FlagEmbedding's BGEM3 inference on `texts`, one at a time (no padding): dense = the CLS
+    state normalised; lexical weights = {token id: max ReLU(sparse_linear(h))} without cls / eos /
+    pad / unk and zero weights; ColBERT = normalize(colbert_linear(h[1:]))."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hidden = model.config.hidden_size
+    sparse, colbert = torch.nn.Linear(hidden, 1), torch.nn.Linear(hidden, hidden)
+    sparse.load_state_dict(torch.load(folder / "sparse_linear.pt", weights_only=True))
+    colbert.load_state_dict(torch.load(folder / "colbert_linear.pt", weights_only=True))
+    unused = {tok.cls_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
+    dense, lexical, multi = [], [], []
+    with torch.no_grad():
+        for text in texts:
+            feats = tok(text, truncation=True, max_length=512, return_tensors="pt")
+            h = model(**feats).last_hidden_state[0]  # [L, H]
+            dense.append(torch.nn.functional.normalize(h[0], dim=-1).numpy())
+            weights = torch.relu(sparse(h)).squeeze(-1)
+            lex: dict[int, float] = {}
+            for w, idx in zip(weights.tolist(), feats["input_ids"][0].tolist()):
+                if idx not in unused and w > 0 and w > lex.get(idx, 0.0):
+                    lex[idx] = w
+            lexical.append(lex)
+            multi.append(torch.nn.functional.normalize(colbert(h[1:]), dim=-1).numpy())
+    return np.stack(dense), lexical, multi
+
+
+def as_dicts(indices: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> list[dict[int, float]]:
+    return [dict(zip(indices[a:b].tolist(), values[a:b].tolist())) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def assert_lexical_equal(ours: list[dict[int, float]], reference: list[dict[int, float]]) -> None:
+    assert len(ours) == len(reference)
+    for got, want in zip(ours, reference):
+        assert sorted(got) == sorted(want)
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), atol=1e-4, rtol=0)
+
+
+def assert_colbert_equal(vectors: np.ndarray, offsets: np.ndarray, reference: list[np.ndarray]) -> None:
+    assert offsets.tolist() == np.cumsum([0] + [r.shape[0] for r in reference]).tolist()
+    for a, b, want in zip(offsets[:-1], offsets[1:], reference):
+        np.testing.assert_allclose(vectors[a:b], want, atol=1e-4, rtol=0)
+        assert cosine_rows(vectors[a:b], want).min() >= 0.9999
+
+
+# --- units ------------------------------------------------------------------------------------
+
+def test_folder_with_the_heads_offers_their_outputs(folders):
+    assert load_model_spec(folders["m3"]).outputs == ("dense", "sparse", "colbert")
+    assert load_model_spec(folders["plain"]).outputs == ("dense",)
+    assert skipped_token_ids(load_model_spec(folders["m3"])).tolist() == [0, 1, 2, 3]  # <s> <pad> </s> <unk>
+
+
+def test_sparse_keeps_the_largest_weight_of_each_token_and_drops_specials():
+    ids = np.array([0, 7, 9, 7, 2, 0, 5, 5, 2], dtype=np.int64)
+    weights = np.array([0.9, 0.2, 0.0, 0.5, 0.8, 0.7, 0.3, 0.1, 0.6], dtype=np.float32)
+    indices, values, offsets = sparse_outputs(ids, np.array([5, 0, 4]), weights, np.array([0, 2]))
+    assert offsets.tolist() == [0, 1, 1, 2]  # text 1 is empty; 9 has weight 0
+    assert indices.tolist() == [7, 5] and values.tolist() == pytest.approx([0.5, 0.3])
+
+
+def engine_outputs(engine: Engine, texts: list[str]) -> tuple[np.ndarray, list[dict[int, float]], np.ndarray,
+                                                               np.ndarray]:
+    """In process, one request: (dense [n, H], lexical weights, ColBERT rows, their offsets)."""
+    enc = TextTokenizer(engine.spec).encode(texts)
+    req = EncodeRequest(enc.input_ids, enc.lengths,
+                        token_rows=np.empty((enc.input_ids.size, engine.runner.token_width), np.float32))
+    pooled = engine.encode([req])[0]
+    out = token_outputs(engine.spec, ("sparse", "colbert"), enc.input_ids, enc.lengths, req.token_rows,
+                        skipped_token_ids(engine.spec))
+    lexical = as_dicts(out["SPARSE_INDICES"], out["SPARSE_VALUES"], out["SPARSE_OFFSETS"])
+    return pooled, lexical, out["TOKEN_EMBEDDINGS"], out["TOKEN_OFFSETS"]
+
+
+def test_engine_outputs_equal_flag_embedding(folders):
+    """In process: one forward gives all three, batched as one request."""
+    engine = Engine(EngineConfig(model_dir=str(folders["m3"]), dtype="float32", device="cpu"))
+    pooled, lexical, vectors, offsets = engine_outputs(engine, XLMR_TEXTS)
+    dense, reference, multi = flag_embedding(folders["m3"], XLMR_TEXTS)
+    assert cosine_rows(pooled, dense).min() >= 0.9999
+    assert_lexical_equal(lexical, reference)
+    assert_colbert_equal(vectors, offsets, multi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["tiny", "bge-m3"])
+def test_gpu_graphs_give_flag_embeddings_outputs(tmp_path, shape):
+    """BF16 on the GPU through eager warm-up, CUDA-graph capture and replay, batched and one text
+    at a time: dense and ColBERT cosine >= 0.999 against FP32 FlagEmbedding, lexical weights
+    within 2e-2 where both keep the token (ReLU near 0 may keep or drop one in BF16)."""
+    from pergola.testing import make_bge_m3_folder
+
+    folder = make_bge_m3_folder(tmp_path / shape, shape=shape, seed=13)
+    dense, reference, multi = flag_embedding(folder, XLMR_TEXTS)
+    engine = Engine(EngineConfig(model_dir=str(folder), dtype="bfloat16", device="cuda"))
+    for _ in range(3):  # warm-up, capture, replay
+        for texts, first in [(XLMR_TEXTS, 0)] + [([t], i) for i, t in enumerate(XLMR_TEXTS)]:
+            pooled, lexical, vectors, offsets = engine_outputs(engine, texts)
+            assert cosine_rows(pooled, dense[first:first + len(texts)]).min() >= 0.999
+            for i, (got, want) in enumerate(zip(lexical, reference[first:first + len(texts)])):
+                both = sorted(set(got) & set(want))
+                assert len(both) >= 0.9 * len(want)
+                np.testing.assert_allclose([got[k] for k in both], [want[k] for k in both], atol=2e-2, rtol=0)
+                a, b = offsets[i], offsets[i + 1]
+                assert cosine_rows(vectors[a:b], multi[first + i]).min() >= 0.999
+    assert engine.stats["steps_replay"] > 0
+
+
+# --- through the server -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, folders):
+    from conftest import start_serve
+
+    device = ["--device", "gpu"] if TEST_DEVICE == "gpu" else []
+    proc = start_serve(tmp_path_factory.mktemp("serve-m3"), f"m3={folders['m3']}", "--model",
+                       f"plain={folders['plain']}", *device)
+    yield proc
+    proc.stop()
+
+
+def infer(served, texts: list[str], outputs: list[str] | None, model: str = "m3") -> dict[str, np.ndarray]:
+    import tritonclient.grpc as grpcclient
+
+    names = ["EMBEDDING", "SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"]
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}") as client:
+        inputs = [grpcclient.InferInput("TEXT", [len(texts)], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+        if outputs is not None:
+            inputs.append(grpcclient.InferInput("OUTPUTS", [len(outputs)], "BYTES"))
+            inputs[1].set_data_from_numpy(np.array([o.encode() for o in outputs], dtype=object))
+        result = client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+        return {n: result.as_numpy(n) for n in names}
+
+
+def test_served_outputs_equal_flag_embedding_in_one_request(served, folders):
+    out = infer(served, XLMR_TEXTS, ["dense", "sparse", "colbert"])
+    dense, lexical, multi = flag_embedding(folders["m3"], XLMR_TEXTS)
+    atol = 1e-4 if TEST_DEVICE == "cpu" else 2e-2
+    np.testing.assert_allclose(out["EMBEDDING"], dense, atol=atol, rtol=0)
+    assert cosine_rows(out["EMBEDDING"], dense).min() >= (0.9999 if TEST_DEVICE == "cpu" else 0.999)
+    if TEST_DEVICE == "cpu":
+        assert_lexical_equal(as_dicts(out["SPARSE_INDICES"], out["SPARSE_VALUES"], out["SPARSE_OFFSETS"]), lexical)
+        assert_colbert_equal(out["TOKEN_EMBEDDINGS"], out["TOKEN_OFFSETS"], multi)
+    else:  # BF16: ReLU near 0 may keep or drop a token; compare where both kept it, and the vectors by cosine
+        for got, want in zip(as_dicts(out["SPARSE_INDICES"], out["SPARSE_VALUES"], out["SPARSE_OFFSETS"]), lexical):
+            both = sorted(set(got) & set(want))
+            np.testing.assert_allclose([got[k] for k in both], [want[k] for k in both], atol=2e-2, rtol=0)
+        offsets = out["TOKEN_OFFSETS"]
+        for a, b, want in zip(offsets[:-1], offsets[1:], multi):
+            assert cosine_rows(out["TOKEN_EMBEDDINGS"][a:b], want).min() >= 0.999
+
+
+def test_served_batch_equals_single_texts(served):
+    batch = infer(served, XLMR_TEXTS, ["sparse", "colbert", "dense"])
+    for i, text in enumerate(XLMR_TEXTS):
+        one = infer(served, [text], ["colbert", "sparse"])
+        assert one["EMBEDDING"].shape == (1, 0)  # dense not asked for
+        s, t = batch["SPARSE_OFFSETS"], batch["TOKEN_OFFSETS"]
+        np.testing.assert_array_equal(one["SPARSE_INDICES"], batch["SPARSE_INDICES"][s[i]:s[i + 1]])
+        np.testing.assert_allclose(one["SPARSE_VALUES"], batch["SPARSE_VALUES"][s[i]:s[i + 1]], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(one["TOKEN_EMBEDDINGS"], batch["TOKEN_EMBEDDINGS"][t[i]:t[i + 1]], atol=1e-5,
+                                   rtol=0)
+
+
+def test_served_defaults_to_dense_only(served):
+    out = infer(served, XLMR_TEXTS[:3], None)
+    assert out["EMBEDDING"].shape[0] == 3 and out["SPARSE_OFFSETS"].size == 0 and out["TOKEN_OFFSETS"].size == 0
+    assert out["TOKEN_EMBEDDINGS"].shape[0] == 0
+
+
+def test_ragged_offsets_cut_per_text(served, folders):
+    from transformers import AutoTokenizer
+
+    texts = ["a", "MiXeD", "two words and more"]
+    out = infer(served, texts, ["sparse", "colbert"])
+    assert out["SPARSE_OFFSETS"].shape == (4,) and out["TOKEN_OFFSETS"].shape == (4,)
+    assert out["SPARSE_OFFSETS"][0] == 0 and out["SPARSE_OFFSETS"][-1] == out["SPARSE_INDICES"].size
+    assert out["SPARSE_INDICES"].dtype == np.int64 and out["SPARSE_VALUES"].dtype == np.float32
+    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(str(folders["m3"]))(texts)["input_ids"]]
+    assert np.diff(out["TOKEN_OFFSETS"]).tolist() == [n - 1 for n in lengths]  # every token but CLS
+    assert out["TOKEN_EMBEDDINGS"].shape == (sum(lengths) - 3, 64)
+    assert (out["SPARSE_VALUES"] > 0).all()
+
+
+@pytest.mark.parametrize("outputs, message", [
+    (["sparse"], "OUTPUTS 'sparse' not offered: this model gives dense"),
+    (["dense", "colbert"], "OUTPUTS 'colbert' not offered"),
+])
+def test_a_model_without_the_heads_refuses_them(served, outputs, message):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match=message) as e:
+        infer(served, ["text"], outputs, model="plain")
+    assert "INVALID_ARG" in str(e.value.status()) or "sparse_linear.pt" in str(e.value)
+
+
+def test_unknown_output_is_refused_by_name(served):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match="'lexical' not offered: this model gives dense, sparse, "
+                                                       "colbert"):
+        infer(served, ["text"], ["lexical"])
