@@ -27,6 +27,7 @@ from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloadin
 from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
+from pergola.token_outputs import skipped_token_ids, token_outputs
 from pergola.triton_io import (EmbedOptions, classify_options, embed_options, error_response, exit_soon, instance_device,
                                is_fatal_device_error, optional_array, required_array, rerank_options,
                                set_cpu_threads)
@@ -45,6 +46,7 @@ class TritonPythonModel:
         self.classify = self.engine.spec.task == "classify"
         self.activation = activation(self.engine.spec)
         self.labels = np.array([name.encode("utf-8") for name in label_names(self.engine.spec)], dtype=object)
+        self.skipped_ids = skipped_token_ids(self.engine.spec)  # left out of bge-m3's sparse output
         runner = self.engine.runner
         attention = runner.attention_in_use()
         pb_utils.Logger.log_info(f"{args['model_name']}: device {self.cfg.device}, attention {attention}, "
@@ -86,7 +88,10 @@ class TritonPythonModel:
             return req, rerank_options(pb_utils, request)
         if self.classify:
             return req, classify_options(pb_utils, request)
-        return req, embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize)
+        options = embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize, self.engine.spec.outputs)
+        if options.outputs != ("dense",):  # bge-m3's per-token outputs: the loop fills these rows
+            req.token_rows = np.empty((req.input_ids.size, self.engine.runner.token_width), dtype=np.float32)
+        return req, options
 
     def execute(self, requests: list) -> None:
         now = time.monotonic()
@@ -97,7 +102,7 @@ class TritonPythonModel:
             try:
                 req, options = self._decode(request, marks)
                 timeout_us = request.timeout()  # Triton's per-request `timeout` parameter (0: none)
-                job = Job(req, deliver=partial(self._deliver, sender, options, marks),
+                job = Job(req, deliver=partial(self._deliver, sender, options, marks, req),
                           fail=partial(self._fail, sender), cancelled=sender.is_cancelled,
                           deadline=now + timeout_us / 1e6 if timeout_us else None,
                           checked_at=now)  # not gone yet: asking (an IPC) can wait CANCEL_CHECK_S
@@ -111,7 +116,7 @@ class TritonPythonModel:
         return None
 
     def _deliver(self, sender, options: EmbedOptions | RerankOptions | ClassifyOptions, marks: dict | None,
-                 pooled: np.ndarray) -> None:
+                 req: EncodeRequest, pooled: np.ndarray) -> None:
         if marks is not None:
             marks["engine_done"], marks["started"] = time.monotonic_ns(), int(marks.pop("job").started_at * 1e9)
         if isinstance(options, ClassifyOptions):
@@ -120,13 +125,21 @@ class TritonPythonModel:
             score = activate(pooled[:, :1], self.activation, options.raw_scores)[:, 0]  # [n], input order
             outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:
-            outputs = encoded_outputs(finish(pooled, options.dimensions, options.normalize), options.encoding)
+            outputs = self._embeddings(options, req, pooled)
         response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
         if marks is not None:
             marks["built"] = time.monotonic_ns()
         sender.send(response, flags=FINAL)
         if marks is not None:
             marks["sent"] = time.monotonic_ns()
+
+    def _embeddings(self, options: EmbedOptions, req: EncodeRequest, pooled: np.ndarray) -> dict[str, np.ndarray]:
+        """EMBEDDING* ([n, 0] when OUTPUTS leaves out dense) and bge-m3's ragged SPARSE_* / TOKEN_*
+        (empty unless asked for): every output, as the ensemble maps them all."""
+        dense = pooled if "dense" in options.outputs else pooled[:, :0]
+        outputs = encoded_outputs(finish(dense, options.dimensions, options.normalize), options.encoding)
+        return outputs | token_outputs(self.engine.spec, options.outputs, req.input_ids, req.lengths, req.token_rows,
+                                       self.skipped_ids)
 
     @staticmethod
     def _fail(sender, exc: BaseException) -> None:
