@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pergola.errors import StringLimits
-from pergola.hf_folder import ModelSpec, load_model_spec
+from pergola.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
 from pergola.options import convert, option
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -83,9 +83,15 @@ class EngineConfig:
     metrics_flush_s: float = option(1.0, "pergola's counters reach Triton at most this often (seconds; 0: after "
                                          "every batch), histograms a tenth as often: each update is a "
                                          "stub-to-server round trip")
-    task: str | None = option(None, "override what the folder says (rerank for a Qwen3-Reranker causal LM; "
-                                    "classify: a sequence-classification head with several labels)",
+    task: str | None = option(None, "override what the folder says (rerank for a yes/no causal LM reranker: "
+                                    "Qwen3-Reranker, mxbai-rerank-v2; classify: a sequence-classification head "
+                                    "with several labels)",
                               choices=("embed", "rerank", "classify"))
+    rerank_prompt: str | None = option(None, "a reranker's pair layout, where the folder's is not the one: "
+                                             "qwen3-reranker or mxbai-rerank-v2 (the yes/no prompts, for a Qwen3 "
+                                             "or Qwen2 causal LM or a score head converted from one), "
+                                             "cross-encoder (the tokenizer's pair template)",
+                                       choices=RERANK_PROMPTS)
     pooling: str | None = option(None, "override the folder's pooling", choices=("mean", "cls", "last"))
     causal: bool | None = option(None, "override the folder's attention mask (causal or bidirectional)")
     query_prompt: str | None = option(None, "prefix (or prompt name) for PROMPT_NAME=query when the folder has none")
@@ -122,7 +128,7 @@ class EngineConfig:
         if self.quantization == "fp8" and self.dtype in ("float32", "float16"):
             raise ValueError(f"quantization fp8 needs dtype bfloat16 (FP8 matmuls write BF16), got dtype "
                              f"{self.dtype}: use --dtype bfloat16 (or auto) or --quantization none")
-        for name in ("task", "pooling"):
+        for name in ("task", "pooling", "rerank_prompt"):
             choices = next(f for f in fields(self) if f.name == name).metadata["choices"]
             if getattr(self, name) is not None and getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices} (or unset), got {getattr(self, name)!r}")
@@ -144,7 +150,7 @@ class EngineConfig:
     def spec(self) -> ModelSpec:
         """The model folder's spec with this config's overrides applied."""
         spec = load_model_spec(self.model_dir, task=self.task, pooling=self.pooling,  # type: ignore[arg-type]
-                               causal=self.causal)
+                               causal=self.causal, rerank_prompt=self.rerank_prompt)
         prompts = dict(spec.prompts)
         for name, value in (("query", self.query_prompt), ("document", self.document_prompt)):
             if value and name not in prompts:

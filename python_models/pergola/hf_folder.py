@@ -23,10 +23,15 @@ ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpne
 # Decoder model types: last-token pooling by default, causal unless the config says otherwise
 # (EmbeddingGemma's says use_bidirectional_attention).
 DECODERS = ("qwen2", "qwen3", "gemma3_text")
-# Model types served as rerankers: sequence classification, or Qwen3-Reranker's yes/no logits.
-RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen3")
+# Model types served as rerankers: sequence classification, or a causal LM's yes/no logits
+# (Qwen3-Reranker, mxbai-rerank-v2).
+RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen2", "qwen3")
 # Model types served as classifiers (sequence classification with several labels: `classify`).
-CLASSIFIERS = ("bert", "roberta", "xlm-roberta", "modernbert")
+CLASSIFIERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen2", "qwen3")
+# Prompts a reranker's pairs may be laid out in (pergola.rerank.RERANK_KINDS; `rerank_prompt`).
+RERANK_PROMPTS = ("cross-encoder", "qwen3-reranker", "mxbai-rerank-v2")
+# sentence-transformers' module that scores a causal LM's last-token logits (CrossEncoder, 5.4+).
+LOGIT_SCORE = "LogitScore"
 # Model types whose positions start at padding index + 1 (fairseq numbering).
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
 # bge-m3's per-token heads (FlagEmbedding's BGEM3): the output each gives besides the dense vector,
@@ -71,6 +76,8 @@ class ModelSpec:
     default_prompt_name: str | None = None
     causal: bool = False
     dense: tuple[DenseModule, ...] = ()  # sentence-transformers Dense modules, in order
+    rerank_prompt: str | None = None  # a reranker's pair layout (RERANK_PROMPTS); None: the folder's
+    answer_token_ids: tuple[int, int] | None = None  # (no, yes) ids of a LogitScore module, where present
     token_heads: tuple[str, ...] = ()  # bge-m3's heads found in the folder: keys of TOKEN_HEADS
 
     @property
@@ -99,6 +106,26 @@ class ModelSpec:
     @property
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
+
+
+def sequence_classification(hf_config: dict[str, Any]) -> bool:
+    """The checkpoint is a ...ForSequenceClassification head (config `architectures`)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
+
+
+def _logit_score(path: Path, modules: Any) -> tuple[int, int] | None:
+    """(false, true) token ids of a sentence-transformers CrossEncoder's LogitScore module (a causal
+    LM scored on two answer tokens' logits), or None where modules.json has none."""
+    if not isinstance(modules, list):
+        return None
+    for module in modules:
+        if str(module.get("type", "")).rsplit(".", 1)[-1] == LOGIT_SCORE:
+            cfg = _read_json(path / str(module.get("path", "1_LogitScore")) / "config.json") or {}
+            if cfg.get("true_token_id") is None or cfg.get("false_token_id") is None:
+                raise ModelFolderError(f"{path}: a LogitScore module without both true_token_id and "
+                                       "false_token_id is not supported (pergola scores logit(true) - logit(false))")
+            return int(cfg["false_token_id"]), int(cfg["true_token_id"])
+    return None
 
 
 def head_dim(hf_config: dict[str, Any]) -> int:
@@ -210,8 +237,11 @@ def load_model_spec(
     task: Task | None = None,
     pooling: Pooling | None = None,
     causal: bool | None = None,
+    rerank_prompt: str | None = None,
 ) -> ModelSpec:
-    """Read `folder`; explicit arguments override what the folder says."""
+    """Read `folder`; explicit arguments override what the folder says. rerank_prompt: how a
+    reranker's pairs are laid out (RERANK_PROMPTS): a yes/no prompt for a decoder (causal LM or
+    ForSequenceClassification), "cross-encoder" for the tokenizer's pair template."""
     path = Path(folder).expanduser().resolve()
     hf_config = _read_json(path / "config.json")
     if not isinstance(hf_config, dict):
@@ -229,9 +259,25 @@ def load_model_spec(
     folder_task: Task = "embed"
     if any(a.endswith("ForSequenceClassification") for a in archs):
         folder_task = "classify" if labels > 1 else "rerank"
+    answer_tokens = _logit_score(path, _read_json(path / "modules.json"))
+    if answer_tokens is not None:  # a CrossEncoder scoring a causal LM's answer tokens
+        folder_task = "rerank"
     task = task or folder_task
     if task == "rerank" and model_type not in RERANKERS:
         raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: {list(RERANKERS)}")
+    if rerank_prompt is not None:
+        if rerank_prompt not in RERANK_PROMPTS:
+            raise ModelFolderError(f"rerank prompt {rerank_prompt!r} is not one of {list(RERANK_PROMPTS)}")
+        if task != "rerank":
+            raise ModelFolderError(f"{path}: a rerank prompt applies to rerankers; this folder is served as {task}")
+        decoder_lm = model_type in DECODERS and not sequence_classification(hf_config)
+        yes_no = rerank_prompt != "cross-encoder"
+        if (decoder_lm and not yes_no) or (yes_no and model_type not in ("qwen2", "qwen3")):
+            raise ModelFolderError(
+                f"{path}: rerank prompt {rerank_prompt!r} does not fit a {model_type} "
+                f"{'causal LM' if decoder_lm else 'sequence classifier'}: the yes/no prompts (qwen3-reranker, "
+                "mxbai-rerank-v2) serve Qwen2/Qwen3 causal LMs and their ForSequenceClassification heads, "
+                "cross-encoder serves sequence classifiers")
     if task == "classify" and (model_type not in CLASSIFIERS or labels < 2):
         raise ModelFolderError(f"{path}: classify serves a ...ForSequenceClassification head with several labels "
                                f"(config id2label) of {list(CLASSIFIERS)}; this folder is {model_type} with "
@@ -279,5 +325,7 @@ def load_model_spec(
         default_prompt_name=default_prompt,
         causal=folder_causal if causal is None else causal,
         dense=dense,
+        rerank_prompt=rerank_prompt,
+        answer_token_ids=answer_tokens if task == "rerank" else None,
         token_heads=tuple(h for h, f in TOKEN_HEADS.items() if (path / f).is_file()) if task == "embed" else (),
     )

@@ -2,7 +2,7 @@
 (one sequence per document), the answer tokens a Qwen3-Reranker is scored on, and the ranking of
 a request's scores (TOP_N).
 
-Two model kinds (`reranker_kind`):
+Three layouts of a pair (`reranker_kind`):
 
 * "cross-encoder" (BERT-style sequence classification, e.g. cross-encoder/ms-marco-MiniLM-L6-v2):
   each pair is tokenized exactly as the tokenizer's pair template does it ([CLS] query [SEP]
@@ -19,6 +19,20 @@ Two model kinds (`reranker_kind`):
   query whose instruction + query part leaves no room for the document is refused. A request may
   send its own INSTRUCTION (the task, e.g. "Given a legal question, find the clause that answers it"). No EOS is appended (the reranker's tokenizer has no post-processor); the score is read
   from the "no"/"yes" logits (`answer_ids`) at the last position.
+* "mxbai-rerank-v2" (mixedbread-ai/mxbai-rerank-base-v2, -large-v2: Qwen2 causal LMs): the
+  prompt of the official `mxbai_rerank` package, each part tokenized on its own as it does:
+  chat prefix, "[instruction: ...\\n]query: ...", "\\n", "document: ...", "\\n", the relevance
+  task prompt, chat suffix; the score is read from the "0"/"1" logits. The official package also
+  cuts a long query to 3/4 of max_length; pergola keeps the query whole (refusing one that leaves
+  no room) and cuts the document only, so pairs under the limit get identical ids.
+
+Both yes/no prompts also serve a decoder converted to sequence classification (a `score` head over
+the last token, e.g. tomaarsen/Qwen3-Reranker-0.6B-seq-cls) when `rerank_prompt` names them;
+a decoder ForSequenceClassification folder otherwise gets the tokenizer's pair template, as
+`tokenizer(query, document)` does. A causal LM takes its prompt from its architecture (Qwen3:
+qwen3-reranker, Qwen2: mxbai-rerank-v2) or from the answer tokens of its sentence-transformers
+LogitScore module ("no"/"yes" or "0"/"1"); the folder's chat template is not rendered.
+sigmoid(logit(yes) - logit(no)) = softmax([no, yes])[yes].
 
 Tokenization is batched through HF `tokenizers`; the only Python loop gathers ids into flat arrays.
 """
@@ -33,11 +47,13 @@ from tokenizers import Tokenizer
 
 from pergola.config import EngineConfig
 from pergola.errors import RequestError, StringLimits, read_strings
-from pergola.hf_folder import ModelFolderError, ModelSpec
+from pergola.hf_folder import ModelFolderError, ModelSpec, sequence_classification
 from pergola.tokenization import Template, cut, truncate_mode, window
 
-RerankKind = Literal["cross-encoder", "qwen3-reranker"]
-RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker")
+RerankKind = Literal["cross-encoder", "qwen3-reranker", "mxbai-rerank-v2"]
+RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker", "mxbai-rerank-v2")
+# The prompts whose score is read from two answer tokens' logits: their (no, yes) words.
+ANSWER_WORDS: dict[str, tuple[str, str]] = {"qwen3-reranker": ("no", "yes"), "mxbai-rerank-v2": ("0", "1")}
 
 QWEN3_RERANKER_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
@@ -45,7 +61,22 @@ QWEN3_RERANKER_PREFIX = (
 )
 QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 QWEN3_RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-QWEN3_RERANKER_MAX_LENGTH = 8192  # the official reference's max_length
+QWEN3_RERANKER_MAX_LENGTH = 8192  # the official reference's max_length (mxbai-rerank-v2's too)
+
+# mixedbread-ai/mxbai-rerank-v2, as its official package (mxbai_rerank_v2.py) writes it.
+MXBAI_PREFIX = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                "<|im_end|>\n<|im_start|>user\n")
+MXBAI_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+MXBAI_SEP = "\n"
+MXBAI_TASK = ("You are a search relevance expert who evaluates how well documents match search queries. For each "
+              "query-document pair, carefully analyze the semantic relationship between them, then provide your "
+              "binary relevance judgment (0 for not relevant, 1 for relevant).\nRelevance:")
+MXBAI_DOCUMENT_HEAD = "document:"  # the document part is "document: {document}"
+
+
+def mxbai_query(instruction: str, query: str) -> str:
+    """The query part: "instruction: ...\\nquery: ..." (no instruction: "query: ...")."""
+    return (f"instruction: {instruction}{MXBAI_SEP}" if instruction else "") + f"query: {query}"
 
 
 def qwen3_reranker_body(instruction: str, query: str, document: str) -> str:
@@ -54,26 +85,55 @@ def qwen3_reranker_body(instruction: str, query: str, document: str) -> str:
 
 
 def reranker_kind(spec: ModelSpec) -> RerankKind:
-    """"qwen3-reranker" (yes/no logits of a causal LM) or "cross-encoder" (an encoder with a
-    sequence-classification head: BERT, XLM-RoBERTa, ModernBERT)."""
+    """How a folder's pairs are laid out: "cross-encoder" (the tokenizer's pair template: BERT,
+    XLM-RoBERTa, ModernBERT, and decoder ForSequenceClassification heads), or a yes/no prompt of a
+    causal LM ("qwen3-reranker" for Qwen3, "mxbai-rerank-v2" for Qwen2, or as its
+    sentence-transformers LogitScore tokens say). `spec.rerank_prompt` overrides it."""
     if spec.task != "rerank":
         raise ValueError(f"{spec.path} is served as {spec.task!r}, not as a reranker")
-    return "qwen3-reranker" if spec.architecture == "qwen3" else "cross-encoder"
+    if spec.rerank_prompt is not None:
+        return spec.rerank_prompt  # type: ignore[return-value]
+    if spec.architecture != "qwen3" or sequence_classification(spec.hf_config):
+        return "cross-encoder"
+    if spec.answer_token_ids is not None:  # a sentence-transformers LogitScore module names the tokens
+        tokenizer = Tokenizer.from_file(str(spec.tokenizer_file))
+        words = tuple(tokenizer.id_to_token(i) for i in spec.answer_token_ids)
+        for kind, answer in ANSWER_WORDS.items():
+            if words == answer:
+                return kind  # type: ignore[return-value]
+        raise ModelFolderError(f"{spec.path}: the LogitScore module scores the tokens {words} (no, yes); pergola "
+                               f"serves the prompts of {dict(ANSWER_WORDS)}")
+    return "mxbai-rerank-v2" if spec.hf_config.get("model_type") == "qwen2" else "qwen3-reranker"
+
+
+def yes_no_head(spec: ModelSpec) -> bool:
+    """The score is read from two rows of the LM head (a causal LM reranker), not a `score` layer."""
+    return spec.task == "rerank" and spec.architecture == "qwen3" and not sequence_classification(spec.hf_config)
 
 
 class AnswerIds(NamedTuple):
-    """Token ids of the Qwen3-Reranker's answer words: its score is softmax([no, yes] logits)[yes]."""
+    """Token ids of a yes/no reranker's answer words: its score is softmax([no, yes] logits)[yes]."""
 
     no: int
     yes: int
 
 
-def answer_ids(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> AnswerIds:
-    """The ids of "no" and "yes" in the folder's tokenizer (`tokenizer`: that file, already loaded)."""
+def answer_ids(spec: ModelSpec, tokenizer: Tokenizer | None = None, kind: str | None = None) -> AnswerIds:
+    """The ids of the answer words ("no"/"yes", "0"/"1") of prompt `kind` (default: the folder's)
+    in the folder's tokenizer (`tokenizer`: that file, already loaded), or those its
+    sentence-transformers LogitScore module names."""
+    if spec.answer_token_ids is not None:
+        return AnswerIds(*spec.answer_token_ids)
+    kind = kind or reranker_kind(spec)
+    if kind not in ANSWER_WORDS:
+        raise ModelFolderError(f"{spec.path}: a causal LM reranker needs a yes/no prompt "
+                               f"({', '.join(ANSWER_WORDS)}), not {kind!r}")
     tokenizer = tokenizer or Tokenizer.from_file(str(spec.tokenizer_file))
-    no, yes = tokenizer.token_to_id("no"), tokenizer.token_to_id("yes")
+    words = ANSWER_WORDS[kind]
+    no, yes = (tokenizer.token_to_id(w) for w in words)
     if no is None or yes is None:
-        raise ModelFolderError(f"{spec.path}: the tokenizer has no 'yes'/'no' tokens; is this a Qwen3 reranker?")
+        raise ModelFolderError(f"{spec.path}: the tokenizer has no {words[1]!r}/{words[0]!r} tokens; "
+                               f"is this a {kind} reranker?")
     return AnswerIds(int(no), int(yes))
 
 
@@ -104,25 +164,28 @@ class RerankTokenizer:
     ) -> None:
         """config: the request limits (max_documents, max_text_chars, max_query_chars,
         max_request_chars; default EngineConfig's). max_length: tokens per pair (prompt included).
-        Default: the folder's max_seq_length, and for qwen3-reranker at most 8192, as in the
-        official reference. kind: the folder's (`reranker_kind`) unless given. instruction: the
-        default of requests that send none (qwen3-reranker only)."""
+        Default: the folder's max_seq_length, and for the yes/no prompts at most 8192, as in the
+        official references. kind: the folder's (`reranker_kind`) unless given. instruction: the
+        default of requests that send none (yes/no prompts only; qwen3-reranker's default is the
+        web-search one, mxbai-rerank-v2's none)."""
         kind = kind or reranker_kind(spec)
         if kind not in RERANK_KINDS:
             raise ValueError(f"kind must be one of {RERANK_KINDS}, got {kind!r}")
         if kind == "cross-encoder" and instruction is not None:
-            raise ValueError("an instruction only applies to kind 'qwen3-reranker'")
+            raise ValueError(f"an instruction only applies to the yes/no prompts {tuple(ANSWER_WORDS)}")
         self.spec = spec
         self.kind = kind
         config = config or EngineConfig(model_dir=str(spec.path))
         self.limits, self.query_limits = config.document_limits(), config.query_limits()
         if max_length is None:
             max_length = spec.max_seq_length
-            if kind == "qwen3-reranker":
+            if kind in ANSWER_WORDS:
                 max_length = min(max_length, QWEN3_RERANKER_MAX_LENGTH)
         self.max_length = int(max_length)
-        self.instruction = QWEN3_RERANKER_INSTRUCTION if instruction is None else instruction
-        self.answer_ids: AnswerIds | None = None  # qwen3-reranker: the tokens its score is read from
+        if instruction is None:
+            instruction = QWEN3_RERANKER_INSTRUCTION if kind == "qwen3-reranker" else ""
+        self.instruction = instruction
+        self.answer_ids: AnswerIds | None = None  # a causal LM's yes/no: the tokens its score is read from
 
         self._whole = Tokenizer.from_file(str(spec.tokenizer_file))
         self._whole.no_padding()
@@ -133,16 +196,25 @@ class RerankTokenizer:
             if self.template.added + 1 >= self.max_length:
                 raise ValueError(f"max_length {self.max_length} leaves no room for a query and a document")
         else:
-            self.template = Template.probe(self._whole)
-            self.prefix_ids = np.asarray(
-                self._whole.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False).ids, dtype=np.int64)
-            self.suffix_ids = np.asarray(
-                self._whole.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False).ids, dtype=np.int64)
+            if kind == "qwen3-reranker":
+                self.template = Template.probe(self._whole)
+                prefix, suffix = [QWEN3_RERANKER_PREFIX], [QWEN3_RERANKER_SUFFIX]
+            else:  # mxbai-rerank-v2: no special tokens of the tokenizer's own, each part tokenized alone
+                self.template = Template(parts=(np.zeros(0, np.int64),) * 2, part_types=(np.zeros(0, np.int64),) * 2,
+                                         sequence_types=(0,))
+                prefix, suffix = [MXBAI_PREFIX], [MXBAI_SEP, MXBAI_TASK, MXBAI_SUFFIX]
+                self.sep_ids = self._ids(MXBAI_SEP)
+            self.prefix_ids = np.concatenate([self._ids(t) for t in prefix])
+            self.suffix_ids = np.concatenate([self._ids(t) for t in suffix])
             # the body's own tokens (its post-processor's, if any, come out of it as with HF's truncation)
             self.body_budget = self.max_length - len(self.prefix_ids) - len(self.suffix_ids) - self.template.added
             if self.body_budget < 2:
                 raise ValueError(f"max_length {self.max_length} leaves no room for the reranker prompt")
-            self.answer_ids = answer_ids(spec, self._whole)
+            if yes_no_head(spec):
+                self.answer_ids = answer_ids(spec, self._whole, kind)
+
+    def _ids(self, text: str) -> np.ndarray:
+        return np.asarray(self._whole.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def read_request(self, query: str | bytes, documents: list[str | bytes]) -> tuple[str, list[str]]:
         """The query and documents decoded and checked against the limits, before any tokenization."""
@@ -153,15 +225,15 @@ class RerankTokenizer:
         """The request's INSTRUCTION (counted with the query against max_query_chars), or the default."""
         if instruction is None:
             return self.instruction
-        if self.kind != "qwen3-reranker":
-            raise RequestError("INSTRUCTION applies to Qwen3-Reranker models; this cross-encoder takes none: "
-                               "leave it out")
+        if self.kind not in ANSWER_WORDS:
+            raise RequestError("INSTRUCTION applies to Qwen3-Reranker models and the other yes/no rerankers "
+                               "(mxbai-rerank-v2); this cross-encoder takes none: leave it out")
         limits = StringLimits(1, self.query_limits.max_chars, self.query_limits.max_chars, "max_query_chars")
         [text] = read_strings([instruction], "INSTRUCTION", "instruction", limits, used_chars=len(query))
         return text
 
     def _query_too_long(self, used: int, room: int) -> RequestError:
-        what = "the instruction and query take" if self.kind == "qwen3-reranker" else "the query takes"
+        what = "the instruction and query take" if self.kind in ANSWER_WORDS else "the query takes"
         return RequestError(
             f"QUERY is too long: {what} {used} of this model's {room} tokens per pair, leaving no room "
             "for the document; shorten the query"
@@ -190,6 +262,8 @@ class RerankTokenizer:
                                "what the model's limit leaves)")
         if self.kind == "cross-encoder":
             return self._encode_cross_encoder(query, documents, mode, max_document_tokens)
+        if self.kind == "mxbai-rerank-v2":
+            return self._encode_mxbai(query, documents, mode, max_document_tokens, instruction)
         return self._encode_qwen3(query, documents, mode, max_document_tokens, instruction)
 
     def _cut(self, texts: list[str], mode: str, head: int, budget: int, extra: int,
@@ -250,10 +324,33 @@ class RerankTokenizer:
                              token_type_ids=np.zeros(len(input_ids), dtype=np.int64), truncated=truncated)
 
 
+    def _encode_mxbai(self, query: str, documents: list[str], mode: str, max_document_tokens: int | None,
+                      instruction: str) -> RerankEncoded:
+        # prefix | query part | sep | "document: ..." | sep task suffix; the document part keeps its
+        # "document:" head whatever the cut (the pre-tokenizer splits there: a space always follows).
+        q = self._ids(mxbai_query(instruction, query))
+        head_len = len(self._ids(MXBAI_DOCUMENT_HEAD))
+        extra = len(self.prefix_ids) + len(q) + len(self.sep_ids) + len(self.suffix_ids)
+        budget = self.max_length - extra
+        if head_len + 1 > budget:
+            raise self._query_too_long(extra, self.max_length)
+        if max_document_tokens:
+            budget = min(budget, head_len + max_document_tokens)
+        ids, truncated = self._cut([f"{MXBAI_DOCUMENT_HEAD} {doc}" for doc in documents], mode, head_len, budget,
+                                   extra, max_document_tokens)
+        parts: list[np.ndarray] = []
+        for x in ids:
+            parts += (self.prefix_ids, q, self.sep_ids, x, self.suffix_ids)
+        input_ids = np.concatenate(parts)
+        lengths = np.fromiter((len(x) + extra for x in ids), dtype=np.int32, count=len(ids))
+        return RerankEncoded(input_ids=input_ids, lengths=lengths,
+                             token_type_ids=np.zeros(len(input_ids), dtype=np.int64), truncated=truncated)
+
+
 @dataclass(frozen=True)
 class RerankOptions:
     """What a rerank request asks of its answer: TOP_N, how many indices to list (0: all documents);
-    RAW_SCORES, the logits (cross-encoder: the classifier's; Qwen3-Reranker: logit(yes) - logit(no))
+    RAW_SCORES, the logits (cross-encoder: the classifier's; yes/no LMs: logit(yes) - logit(no))
     instead of their sigmoid."""
 
     top_n: int = 0

@@ -20,7 +20,7 @@ from pergola.hf_folder import ModelFolderError, ModelSpec
 from pergola.layers.fp8 import check_supported, quantize_layers
 from pergola.layers.linear import TileTable, default_weight_loader, select_tiles
 from pergola.pooling import attach_dense
-from pergola.rerank import answer_ids, reranker_kind
+from pergola.rerank import answer_ids, yes_no_head
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     kwargs: dict = {"task": spec.task}
     if spec.architecture in TAKES_CAUSAL:
         kwargs["causal"] = spec.causal
-    if spec.task == "rerank" and reranker_kind(spec) == "qwen3-reranker":
+    if yes_no_head(spec):  # a causal LM reranker: the answer tokens' rows of its LM head
         kwargs["answer_ids"] = answer_ids(spec)
     with torch.device("meta"):
         model = model_class(spec.architecture)(spec.hf_config, **kwargs)

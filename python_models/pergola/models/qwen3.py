@@ -1,4 +1,6 @@
-"""Qwen3 and Qwen2 decoders as embedding models (Qwen3-Embedding, pplx-embed, gte-Qwen2) over flat tokens: [T, hidden].
+"""Qwen3 and Qwen2 decoders as embedding models (Qwen3-Embedding, pplx-embed, gte-Qwen2) over flat tokens: [T, hidden],
+and as rerankers / classifiers: a causal LM's yes/no answer logits (Qwen3-Reranker, mxbai-rerank-v2),
+or a ForSequenceClassification `score` layer over the last token.
 
 Qwen2 is the same network without the per-head q/k RMSNorm and with biases on the q/k/v
 projections (not on o); the config's `model_type` decides, and RoPE then runs on its own.
@@ -20,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergola.hf_folder import ModelFolderError, head_dim
+from pergola.heads import HEAD_TASKS
+from pergola.hf_folder import ModelFolderError, head_dim, sequence_classification
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import qk_norm_rope, rms_norm, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
@@ -195,20 +198,31 @@ class Qwen3Model(Model):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.rotary_emb = RotaryEmbedding(head_dim(cfg), cfg["max_position_embeddings"], _rope_theta(cfg))
-        if task == "rerank":
+        self.score_head: Linear | None = None
+        if task in HEAD_TASKS and sequence_classification(cfg):
+            # Qwen2/Qwen3ForSequenceClassification: `score`, a Linear without bias over the last
+            # token's final-norm state -> [num_labels] logits (checkpoint name "score.weight").
+            self.score_head = Linear(cfg["hidden_size"], len(cfg.get("id2label") or {0: "LABEL_0"}), bias=False)
+            self.extra_targets = {"score.weight": "score_head.weight"}
+        elif task == "rerank":
             if answer_ids is None:
-                raise ModelFolderError("a Qwen3 reranker needs the token ids of 'no' and 'yes'")
-            # Qwen3-Reranker: only the lm_head rows of "no" and "yes" are ever needed, [2, hidden]:
-            # the score never projects a position onto the 151k-token vocabulary. They are read from
-            # lm_head, or from the embeddings when the two are tied.
+                raise ModelFolderError("a causal LM reranker needs the token ids of its answers (no, yes)")
+            # Qwen3-Reranker, mxbai-rerank-v2: only the lm_head rows of the two answers are ever
+            # needed, [2, hidden]: the score never projects a position onto the 151k-token
+            # vocabulary. They are read from lm_head, or from the embeddings when the two are tied.
             self.score_weight = nn.Parameter(torch.empty(2, cfg["hidden_size"]))
             self.score_weight.weight_loader = _rows_loader(list(answer_ids))
             source = "embed_tokens.weight" if cfg.get("tie_word_embeddings", False) else "lm_head.weight"
             self.extra_targets = {source: "score_weight"}
+        elif task != "embed":
+            raise ModelFolderError(f"{cfg.get('model_type')} serves {task} from a ForSequenceClassification head only")
 
     def score(self, last_states: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] fp32 last-token states -> [B, 1] logit(yes) - logit(no): the raw score, whose
-        sigmoid is P(yes) = softmax([no, yes] logits)[yes] (pergola.heads)."""
+        """[B, hidden] fp32 last-token states -> logits [B, num_labels] fp32: the `score` layer's
+        (ForSequenceClassification), or a causal LM's [B, 1] logit(yes) - logit(no), whose sigmoid is
+        P(yes) = softmax([no, yes] logits)[yes] (pergola.heads activates them)."""
+        if self.score_head is not None:
+            return self.score_head(last_states.to(self.score_head.weight.dtype)).float()
         logits = (last_states.to(self.score_weight.dtype) @ self.score_weight.t()).float()  # [B, 2]
         return logits[:, 1:2] - logits[:, 0:1]
 
