@@ -283,7 +283,7 @@ def main() -> None:
     rerank = args.model.startswith("qwen3-reranker")
     options = engine_options(args.option, folder)
     entry = entry_from_folder(folder, NAME, eager_attention_backend=args.eager_attention_backend,
-                              task="rerank" if rerank else "", **options)
+                              task="rerank" if rerank else None, **options)
     repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     t0 = time.perf_counter()
