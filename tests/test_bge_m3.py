@@ -21,6 +21,7 @@ from pergola.engine import EncodeRequest, Engine
 from pergola.hf_folder import load_model_spec
 from pergola.tokenization import TextTokenizer
 from pergola.token_outputs import skipped_token_ids, sparse_outputs, token_outputs
+from test_classify import post  # (base URL, path, JSON body) -> (status, JSON answer)
 
 XLMR_TEXTS = [*TEXTS, "repeated words repeated words repeated", "text with a literal <pad> token inside <pad> it"]
 
@@ -188,6 +189,20 @@ def test_served_outputs_equal_flag_embedding_in_one_request(served, folders):
             assert cosine_rows(out["TOKEN_EMBEDDINGS"][a:b], want).min() >= 0.999
 
 
+def test_client_embed_outputs_over_http(served, folders):
+    """pergola_client's embed_outputs (Triton's HTTP/JSON protocol): the same three outputs."""
+    from pergola_client import PergolaClient
+
+    texts = XLMR_TEXTS[:3]
+    with PergolaClient(f"127.0.0.1:{served.http}", protocol="http", model="m3") as client:
+        out = client.embed_outputs(texts)
+    dense, lexical, multi = flag_embedding(folders["m3"], texts)
+    assert cosine_rows(out.dense, dense).min() >= (0.9999 if TEST_DEVICE == "cpu" else 0.999)
+    assert [sorted(d) for d in out.sparse] == [sorted(d) for d in lexical] or TEST_DEVICE != "cpu"
+    for got, want in zip(out.colbert, multi):
+        assert got.shape == want.shape and cosine_rows(got, want).min() >= 0.999
+
+
 def test_served_batch_equals_single_texts(served):
     batch = infer(served, XLMR_TEXTS, ["sparse", "colbert", "dense"])
     for i, text in enumerate(XLMR_TEXTS):
@@ -238,3 +253,19 @@ def test_unknown_output_is_refused_by_name(served):
     with pytest.raises(InferenceServerException, match="'lexical' not offered: this model gives dense, sparse, "
                                                        "colbert"):
         infer(served, ["text"], ["lexical"])
+
+
+# --- TEI's routes on the gateway -----------------------------------------------------------------
+
+def test_tei_embed_sparse_and_embed_all(served, folders):
+    base = served.wait_gateway()
+    texts = XLMR_TEXTS[:4]
+    _, lexical, multi = flag_embedding(folders["m3"], texts)
+    status, sparse = post(base, "/embed_sparse", {"inputs": texts, "model": "m3"})
+    assert status == 200
+    assert_lexical_equal([{e["index"]: e["value"] for e in entries} for entries in sparse], lexical)
+    status, tokens = post(base, "/embed_all", {"inputs": texts[0], "model": "m3"})
+    assert status == 200 and len(tokens) == 1
+    np.testing.assert_allclose(np.array(tokens[0]), multi[0], atol=1e-4 if TEST_DEVICE == "cpu" else 2e-2, rtol=0)
+    status, error = post(base, "/embed_sparse", {"inputs": "text", "model": "plain"})
+    assert status in (400, 422) and "not offered" in error["error"]

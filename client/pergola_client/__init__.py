@@ -5,6 +5,7 @@ HTTP API (OpenAI /v1/embeddings, Cohere /v1/rerank), with the same calls and ans
     client = PergolaClient("localhost:8001")            # gRPC; protocol="http" for port 8000
     vectors = client.embed(["a query", "a document"])    # np.ndarray [2, dim] float32
     codes = client.embed(["a query"], encoding="int8")    # [1, dim] int8; "binary": [1, dim/8] uint8
+    multi = client.embed_outputs(["a text"], model="m3")  # bge-m3: dense, sparse and ColBERT at once
     gateway = connect("http://localhost:8080")           # a URL with a scheme: the gateway (GatewayClient)
 """
 
@@ -37,6 +38,19 @@ class RerankResult(NamedTuple):
 class ClassifyResult(NamedTuple):
     probs: np.ndarray  # [n, labels] float32, in input order (the logits with raw_scores)
     labels: list[str]  # the label of each column (the model's id2label)
+
+
+class EmbedOutputs(NamedTuple):
+    """bge-m3's outputs of one request, in input order; an output not asked for is empty."""
+
+    dense: np.ndarray  # [n, dim] float32 ([n, 0] without "dense")
+    sparse: list[dict[int, float]]  # per text: token id -> lexical weight
+    colbert: list[np.ndarray]  # per text: [tokens - 1, dim] float32, every token but CLS, L2-normalised
+
+
+def _ragged(values: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """Text i's rows values[offsets[i]:offsets[i + 1]] (offsets [n + 1]; empty: not asked)."""
+    return [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
 def _protocol_module(protocol: str) -> Any:
@@ -114,6 +128,21 @@ class PergolaClient:
         inputs += self._truncate(truncate)
         encoding_inputs, output, dtype = self._encoding(encoding, [1])
         return self._infer(model or self.model, inputs + encoding_inputs, [output]).as_numpy(output).view(dtype)
+
+    def embed_outputs(self, texts: Sequence[str], outputs: Sequence[str] = ("dense", "sparse", "colbert"),
+                      model: str | None = None) -> EmbedOutputs:
+        """bge-m3's dense vectors, lexical weights and ColBERT vectors of `texts` from one forward
+        pass (OUTPUTS; a model without bge-m3's heads refuses sparse and colbert)."""
+        data = np.array([t.encode("utf-8") for t in texts], dtype=object)
+        inputs = [self._input("TEXT", data, "BYTES"),
+                  self._input("OUTPUTS", np.array([o.encode() for o in outputs], dtype=object), "BYTES")]
+        names = ["EMBEDDING", "SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"]
+        r = self._infer(model or self.model, inputs, names)
+        ids, weights = (_ragged(r.as_numpy(n), r.as_numpy("SPARSE_OFFSETS")) for n in ("SPARSE_INDICES",
+                                                                                      "SPARSE_VALUES"))
+        return EmbedOutputs(r.as_numpy("EMBEDDING"),
+                            [dict(zip(i.tolist(), w.tolist())) for i, w in zip(ids, weights)],
+                            _ragged(r.as_numpy("TOKEN_EMBEDDINGS"), r.as_numpy("TOKEN_OFFSETS")))
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                truncate: bool | str | None = None, model: str | None = None,

@@ -1,8 +1,8 @@
 """The gateway's ASGI app (Starlette on uvicorn) and how it runs.
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
-/v1/rerank, /v2/rerank; NIM /v1/ranking; vLLM /classify; TEI /embed, /predict, /tokenize, /info,
-/health; /rerank takes either form.
+/v1/rerank, /v2/rerank; NIM /v1/ranking; vLLM /classify; TEI /embed, /embed_sparse, /embed_all,
+/predict, /tokenize, /info, /health; /rerank takes either form.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/v1/ranking", "cohere", rerank_api.nim_ranking),  # NVIDIA NIM's form: logits
         Route("/rerank", rerank_either, methods=["POST"]),
         route("/embed", "tei", tei_api.embed),
+        route("/embed_sparse", "tei", tei_api.embed_sparse),  # bge-m3's lexical weights
+        route("/embed_all", "tei", tei_api.embed_all),  # bge-m3's ColBERT vectors
         route("/predict", "tei", tei_api.predict),
         route("/classify", "openai", classify_api.classify),  # vLLM's form
         route("/tokenize", "tei", tei_api.tokenize),

@@ -64,6 +64,20 @@ class Embedded:
 
 
 @dataclass
+class PerToken:
+    """bge-m3's per-token outputs of each text (pergola.token_outputs), in input order."""
+
+    sparse: list[tuple[np.ndarray, np.ndarray]]  # (token ids ascending, their weights) per text, when asked
+    colbert: list[np.ndarray]  # [tokens - 1, dim] fp32 per text (every token but CLS), when asked
+    tokens: np.ndarray  # [n] int: tokens per input after truncation
+
+
+def _split(values: list[np.ndarray], offsets: np.ndarray) -> list[list[np.ndarray]]:
+    """Ragged answer -> one slice per text of each of `values` (offsets [n + 1]; [0]: not asked)."""
+    return [[v[a:b] for v in values] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
+@dataclass
 class Reranked:
     scores: np.ndarray  # [n] float32, in input order
     tokens: np.ndarray  # [n] int: tokens per (query, document) pair after truncation
@@ -183,6 +197,26 @@ class Backend:
         parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks([len(t) for t in texts],
                                                                      self.chunk_texts, self.chunk_chars)))
         return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
+
+    async def per_token(self, model: ServedModel, texts: list[str], outputs: list[str],
+                        opts: EmbedOptions = EmbedOptions()) -> PerToken:
+        """bge-m3's `outputs` (sparse, colbert) of `texts`, from the embed ensemble's OUTPUTS."""
+        names = ["SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS",
+                 "TOKEN_COUNT"]
+        asked = _tensor("OUTPUTS", np.array([o.encode() for o in outputs], dtype=object), "BYTES")
+
+        async def one(start: int, end: int) -> PerToken:
+            data = np.array([t.encode("utf-8") for t in texts[start:end]], dtype=object)
+            inputs = [_tensor("TEXT", data, "BYTES"), asked, *_option_inputs(opts, [1])]
+            r = await self._infer(model.name, inputs, names)
+            sparse = _split([r.as_numpy("SPARSE_INDICES"), r.as_numpy("SPARSE_VALUES")], r.as_numpy("SPARSE_OFFSETS"))
+            colbert = _split([r.as_numpy("TOKEN_EMBEDDINGS")], r.as_numpy("TOKEN_OFFSETS"))
+            return PerToken([tuple(s) for s in sparse], [c[0] for c in colbert], r.as_numpy("TOKEN_COUNT"))
+
+        parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks([len(t) for t in texts],
+                                                                     self.chunk_texts, self.chunk_chars)))
+        return PerToken([s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
+                        np.concatenate([p.tokens for p in parts]))
 
     async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
         """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""

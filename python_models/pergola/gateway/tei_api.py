@@ -10,6 +10,12 @@
               "raw_scores": false, "truncate": null, "truncation_direction": "Right"}
              ->  [{"label", "score"}] best first, or one such list per input of a batch
 
+    /embed_sparse  {"inputs", "truncate", "truncation_direction", "prompt_name"}
+             ->  [[{"index": token id, "value": weight}, ...], ...]  bge-m3's lexical weights
+    /embed_all {same}  ->  [[[float, ...] per token], ...]  bge-m3's ColBERT vectors (every token but
+              CLS, L2-normalised); TEI answers a model's raw last hidden states here, pergola the
+              vectors bge-m3 is scored with. Other models refuse both (400, naming what they give).
+
 `raw_scores: true` answers the logit (a cross-encoder's before its sigmoid, a Qwen3-Reranker's
 logit(yes) - logit(no)) instead of sigmoid(logit).
 
@@ -28,7 +34,7 @@ from starlette.responses import Response
 
 from pergola.errors import RequestError, read_strings
 from pergola.gateway import rerank_api
-from pergola.gateway.backend import ClassifyOptions, EmbedOptions, TooLong
+from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, JSONResponse, Keys, error_response, read_body
@@ -79,6 +85,30 @@ async def embed(gw: Gateway, request: Request) -> Any:
     except TooLong as e:
         raise _too_long(e, "inputs") from None
     return JSONResponse(out.vectors, headers={"x-total-tokens": str(int(out.tokens.sum()))})
+
+
+async def _per_token(gw: Gateway, request: Request, output: str) -> tuple[PerToken, dict[str, str]]:
+    """bge-m3's `output` (sparse | colbert) of a TEI body's inputs, and the x-total-tokens header."""
+    body, model, texts = await text_inputs(gw, request)
+    opts = EmbedOptions(prompt_name=body.get("prompt_name", str), truncate=_truncation(body, model))
+    try:
+        out = await gw.backend.per_token(model, texts, [output], opts)
+    except TooLong as e:
+        raise _too_long(e, "inputs") from None
+    return out, {"x-total-tokens": str(int(out.tokens.sum()))}
+
+
+async def embed_sparse(gw: Gateway, request: Request) -> Any:
+    """TEI's /embed_sparse: each input's lexical weights, {index: token id, value}, ids ascending."""
+    out, headers = await _per_token(gw, request, "sparse")
+    return JSONResponse([[{"index": int(i), "value": float(v)} for i, v in zip(ids.tolist(), values.tolist())]
+                         for ids, values in out.sparse], headers=headers)
+
+
+async def embed_all(gw: Gateway, request: Request) -> Any:
+    """TEI's /embed_all: each input's token vectors (bge-m3's ColBERT vectors)."""
+    out, headers = await _per_token(gw, request, "colbert")
+    return JSONResponse([vectors.tolist() for vectors in out.colbert], headers=headers)
 
 
 async def tei_rerank(gw: Gateway, body: Body) -> JSONResponse:
