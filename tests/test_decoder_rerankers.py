@@ -323,7 +323,8 @@ def test_server_classify(served, folders):
 def test_bf16_published_shape_matches_fp32_transformers(tmp_path, kind):
     """mxbai-rerank-base-v2's shape (and a Qwen2ForSequenceClassification of it), BF16 on the GPU
     through eager warm-up, graph capture and replay, against transformers FP32: raw scores within
-    2e-2 of a spread of several units, sigmoid scores within 1e-2, batched equal to single."""
+    0.1 (24 BF16 layers; a score is the small difference of two large logits), sigmoid scores
+    within 2.5e-2, the order of scores 0.2 apart kept; one by one within 0.1 of batched."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     folder = make_folder(tmp_path / kind, kind, seed=21, shape="mxbai-base-v2")
@@ -348,10 +349,12 @@ def test_bf16_published_shape_matches_fp32_transformers(tmp_path, kind):
     for _ in range(3):  # eager warm-up, capture, replay
         ours = engine.encode([request])[0][:, 0]
         modes.append(engine.runner.last_mode)
-        scale = max(1.0, float(np.abs(expected).max()))
-        np.testing.assert_allclose(ours, expected, atol=2e-2 * scale, rtol=0)
+        np.testing.assert_allclose(ours, expected, atol=0.1, rtol=0)
         np.testing.assert_allclose(activate(ours[:, None], "sigmoid")[:, 0],
-                                   torch.sigmoid(torch.from_numpy(expected)).numpy(), atol=1e-2, rtol=0)
+                                   torch.sigmoid(torch.from_numpy(expected)).numpy(), atol=2.5e-2, rtol=0)
+        apart = np.abs(expected[:, None] - expected[None, :]) > 0.2
+        assert (np.sign(ours[:, None] - ours[None, :]) == np.sign(expected[:, None] - expected[None, :]))[apart].all()
     singles = np.array([engine_logits(engine, QUERY, [d])[0] for d in DOCS])
-    np.testing.assert_allclose(singles, ours, atol=2e-2 * scale, rtol=0)
-    print(kind, modes, expected)
+    np.testing.assert_allclose(singles, ours, atol=0.1, rtol=0)  # other step shapes, other BF16 roundings
+    print(kind, modes, "max |bf16 - fp32|", float(np.abs(ours - expected).max()), "spread",
+          float(expected.max() - expected.min()), "max |single - batched|", float(np.abs(singles - ours).max()))
