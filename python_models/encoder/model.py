@@ -28,9 +28,9 @@ from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
 from pergola.token_outputs import skipped_token_ids, token_outputs
-from pergola.triton_io import (EmbedOptions, classify_options, embed_options, error_response, exit_soon, instance_device,
-                               is_fatal_device_error, optional_array, required_array, rerank_options,
-                               set_cpu_threads)
+from pergola.triton_io import (EmbedOptions, RequestInputs, classify_options, embed_options, error_response, exit_soon,
+                               instance_device, is_fatal_device_error, optional_array, required_array,
+                               rerank_options, set_cpu_threads)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -73,11 +73,12 @@ class TritonPythonModel:
     def _decode(self, request, marks: dict | None = None) -> tuple[EncodeRequest, EmbedOptions | RerankOptions | ClassifyOptions]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
         when execute() returns, before the loop computes it. `marks`: pergola.adapter_timing."""
+        inputs = RequestInputs(request)  # listed once, for the lookups below (in pb_utils' place)
         req = EncodeRequest(
-            input_ids=required_array(pb_utils, request, "INPUT_IDS", np.int64),
-            lengths=required_array(pb_utils, request, "LENGTHS", np.int32),
-            prompt_lengths=optional_array(pb_utils, request, "PROMPT_LENGTHS", np.int32),
-            token_types=optional_array(pb_utils, request, "TOKEN_TYPE_IDS", np.int64),
+            input_ids=required_array(inputs, request, "INPUT_IDS", np.int64),
+            lengths=required_array(inputs, request, "LENGTHS", np.int32),
+            prompt_lengths=optional_array(inputs, request, "PROMPT_LENGTHS", np.int32),
+            token_types=optional_array(inputs, request, "TOKEN_TYPE_IDS", np.int64),
         )
         if marks is not None:
             marks["decoded"] = time.monotonic_ns()
@@ -85,10 +86,10 @@ class TritonPythonModel:
         if marks is not None:
             marks["validated"] = time.monotonic_ns()
         if self.rerank:
-            return req, rerank_options(pb_utils, request)
+            return req, rerank_options(inputs, request)
         if self.classify:
-            return req, classify_options(pb_utils, request)
-        options = embed_options(pb_utils, request, self.hidden, self.engine.spec.normalize, self.engine.spec.outputs)
+            return req, classify_options(inputs, request)
+        options = embed_options(inputs, request, self.hidden, self.engine.spec.normalize, self.engine.spec.outputs)
         if options.outputs != ("dense",):  # bge-m3's per-token outputs: the loop fills these rows
             req.token_rows = np.empty((req.input_ids.size, self.engine.runner.token_width), dtype=np.float32)
         return req, options
@@ -102,7 +103,8 @@ class TritonPythonModel:
             try:
                 req, options = self._decode(request, marks)
                 timeout_us = request.timeout()  # Triton's per-request `timeout` parameter (0: none)
-                job = Job(req, deliver=partial(self._deliver, sender, options, marks, req),
+                wanted = request.requested_output_names()  # all of them when the caller named none
+                job = Job(req, deliver=partial(self._deliver, sender, options, marks, req, wanted),
                           fail=partial(self._fail, sender), cancelled=sender.is_cancelled,
                           deadline=now + timeout_us / 1e6 if timeout_us else None,
                           checked_at=now)  # not gone yet: asking (an IPC) can wait CANCEL_CHECK_S
@@ -116,7 +118,7 @@ class TritonPythonModel:
         return None
 
     def _deliver(self, sender, options: EmbedOptions | RerankOptions | ClassifyOptions, marks: dict | None,
-                 req: EncodeRequest, pooled: np.ndarray) -> None:
+                 req: EncodeRequest, wanted: set[str], pooled: np.ndarray) -> None:
         if marks is not None:
             marks["engine_done"], marks["started"] = time.monotonic_ns(), int(marks.pop("job").started_at * 1e9)
         if isinstance(options, ClassifyOptions):
@@ -126,7 +128,9 @@ class TritonPythonModel:
             outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:
             outputs = self._embeddings(options, req, pooled)
-        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+        # Only the outputs asked for: each costs a tensor in shared memory and an output in the server
+        # (a direct call that names EMBEDDING gets 1 instead of 9; an ensemble asks for all it maps).
+        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items() if k in wanted])
         if marks is not None:
             marks["built"] = time.monotonic_ns()
         sender.send(response, flags=FINAL)

@@ -36,7 +36,7 @@ class AdapterTiming:
         self.metrics_ns: list[int] = []
 
     @classmethod
-    def from_env(cls, model: str) -> "AdapterTiming | None":
+    def from_env(cls, model: str) -> AdapterTiming | None:
         folder = os.environ.get(ENV)
         return cls(Path(folder) / f"{model}-{os.getpid()}.json") if folder else None
 
