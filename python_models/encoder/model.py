@@ -11,6 +11,7 @@ model may answer this way since Triton 24.06). Requests whose client went away a
 between steps; new work is refused at once (UNAVAILABLE) when the queue is full of work.
 """
 
+import faulthandler
 import time
 from functools import partial
 
@@ -37,6 +38,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        # A crash in native code (a kernel library, the stub's IPC) then leaves every thread's Python
+        # stack in Triton's log instead of the stub's bare "Segfault encountered".
+        faulthandler.enable(all_threads=True)
         self.model_name = args["model_name"]
         self.cfg = EngineConfig.from_triton_args(args, device=instance_device(args))
         threads = set_cpu_threads(self.cfg)
