@@ -2,6 +2,7 @@
 
     python perf/bench_adapter.py --model minilm --device cpu -n 300 --out perf/out/adapter_cpu.json
     python perf/bench_adapter.py --model qwen3-0.6b --device gpu -n 500 --out perf/out/adapter_gpu.json
+    git worktree add /tmp/before HEAD~2 && python perf/bench_adapter.py --compare /tmp/before ...   # before/after
 
 Starts pergola's tritonserver with Triton's own tracing on (--trace-config, mode triton,
 TIMESTAMPS, every request) and the encoder's timing marks on (PERGOLA_ADAPTER_TIMING:
@@ -20,6 +21,8 @@ CLOCK_MONOTONIC, so the events of one request line up on one time axis; events a
 the order of their median offset from REQUEST_START. The headline: `adapter_us`, the encoder's
 server time (REQUEST_START -> INFER_RESPONSE_COMPLETE) less the engine's (started -> engine_done)
 less a floor's server time, for each floor (also at the client: round trips less the engine).
+With --compare CHECKOUT a second encoder and ensemble run another checkout's adapters and engine
+package, requests taking turns with this checkout's: a before/after on a loaded host.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +49,7 @@ from pergola.hf_folder import load_model_spec  # noqa: E402
 from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
 from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
-NAME = "bench"
+NAME, COMPARE = "bench", "compare"
 FLOOR, FLOOR_SENDER = "floor", "floor_sender"
 TEXT = "how do I sort a list of tuples by their second element in python?"
 TRITON_EVENTS = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
@@ -117,20 +121,25 @@ def trace_flags(path: Path) -> list[str]:
 
 
 # --- the client ---------------------------------------------------------------------------------
-def run_phase(client, mod, model: str, make_inputs, n: int, warmup: int, outputs: list[str] | None = None) -> dict:
-    """`warmup` then `n` sequential requests (asking for `outputs`; None: every output); the
-    measured window on CLOCK_MONOTONIC (ns)."""
-    wanted = [mod.InferRequestedOutput(name) for name in outputs] if outputs else None
+def run_phase(client, mod, targets: dict[str, tuple], n: int, warmup: int) -> dict:
+    """`warmup` then `n` sequential requests to each target, label -> (model, make_inputs, outputs
+    asked for or None for every one), taking turns so that all see the same load; -> per label its
+    client round trips and the measured window on CLOCK_MONOTONIC (ns)."""
+    calls = {label: (model, make, [mod.InferRequestedOutput(o) for o in outputs] if outputs else None)
+             for label, (model, make, outputs) in targets.items()}
     for _ in range(warmup):
-        client.infer(model, make_inputs(), outputs=wanted)
-    ms = []
+        for model, make, wanted in calls.values():
+            client.infer(model, make(), outputs=wanted)
+    ms: dict[str, list[float]] = {label: [] for label in calls}
     start_ns = time.monotonic_ns()
     for _ in range(n):
-        inputs = make_inputs()
-        t0 = time.perf_counter()
-        client.infer(model, inputs, outputs=wanted)
-        ms.append((time.perf_counter() - t0) * 1e3)
-    return {"window_ns": (start_ns, time.monotonic_ns()), "client_ms": percentiles(ms)}
+        for label, (model, make, wanted) in calls.items():
+            inputs = make()
+            t0 = time.perf_counter()
+            client.infer(model, inputs, outputs=wanted)
+            ms[label].append((time.perf_counter() - t0) * 1e3)
+    window = (start_ns, time.monotonic_ns())
+    return {label: {"window_ns": window, "client_ms": percentiles(ms[label])} for label in calls}
 
 
 def token_inputs(mod, ids: np.ndarray):
@@ -165,10 +174,10 @@ def read_traces(path: Path) -> list[dict]:
     return [t for t in merged.values() if "model" in t and "REQUEST_START" in t["events"]]
 
 
-def read_marks(folder: Path) -> list[dict]:
-    """The encoder's marks (pergola/adapter_timing.py), every instance's file."""
+def read_marks(folder: Path, model: str) -> list[dict]:
+    """An encoder's marks (pergola/adapter_timing.py), every instance's file."""
     marks = []
-    for path in folder.glob(f"{NAME}_encoder-*.json"):
+    for path in folder.glob(f"{model}-*.json"):
         marks += [m for m in json.loads(path.read_text())["requests"] if "sent" in m]
     return sorted(marks, key=lambda m: m["execute"])
 
@@ -266,6 +275,10 @@ def main() -> None:
     p.add_argument("--outputs", nargs="*", default=None, metavar="NAME",
                    help="also time the encoder asked for these outputs only (phase encoder_named), e.g. EMBEDDING; "
                         "the encoder phase names none, so it gets every one")
+    p.add_argument("--compare", default=None, metavar="CHECKOUT",
+                   help="another checkout of pergola (e.g. `git worktree add /tmp/before HEAD~1`): its tokenizer and "
+                        "encoder adapters and engine package serve a second model, COMPARE, under this checkout's "
+                        "configs; requests take turns between the two (labels NAME@compare), so both see the same load")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/adapter.json")
     args = p.parse_args()
@@ -275,7 +288,11 @@ def main() -> None:
     folder = model_folder(args.model, workdir)
     spec = load_model_spec(folder)
     ids = TokenWindows(spec.tokenizer_file).ids(args.length, 1, seed=args.length)[0]
-    repo = build_repository(workdir / "repo", [entry_from_folder(folder, NAME)], gpu=args.device == "gpu")
+    names = [NAME, COMPARE] if args.compare else [NAME]
+    repo = build_repository(workdir / "repo", [entry_from_folder(folder, name) for name in names],
+                            gpu=args.device == "gpu")
+    if args.compare:
+        use_checkout(repo, COMPARE, Path(args.compare).resolve())
     write_floor_models(repo, spec.hidden_size)
     trace_file, marks_dir = workdir / "trace.json", workdir / "timing"
     for old in [trace_file, *marks_dir.glob("*.json")]:
@@ -285,22 +302,30 @@ def main() -> None:
                          extra=trace_flags(trace_file))
     server = start(opts, log_path=workdir / "tritonserver.log")
     res: dict = {"model": args.model, "device": args.device, "length": args.length, "text": args.text,
-                 "encoder_named_outputs": args.outputs,
+                 "encoder_named_outputs": args.outputs, "compare": args.compare,
                  "n": args.n, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "command": " ".join(sys.argv), "commit": git_commit()}
+                 "command": " ".join(sys.argv), "commit": git_commit(Path(__file__).resolve().parent),
+                 "compare_commit": git_commit(Path(args.compare)) if args.compare else None}
+    # label -> (ensemble or None, encoder model, is the encoder an ensemble step)
+    labels: dict[str, tuple[str | None, str, bool]] = {}
     try:
         wait_ready(opts.http_port, server, timeout=600)
         import tritonclient.grpc as mod
 
         client = mod.InferenceServerClient(f"127.0.0.1:{opts.grpc_port}")
-        phases = {
-            "floor": run_phase(client, mod, FLOOR, token_inputs(mod, ids), args.n, args.warmup),
-            "floor_sender": run_phase(client, mod, FLOOR_SENDER, token_inputs(mod, ids), args.n, args.warmup),
-            "encoder": run_phase(client, mod, f"{NAME}_encoder", token_inputs(mod, ids), args.n, args.warmup),
-            **({"encoder_named": run_phase(client, mod, f"{NAME}_encoder", token_inputs(mod, ids), args.n,
-                                           args.warmup, args.outputs)} if args.outputs else {}),
-            "ensemble": run_phase(client, mod, "embed", text_inputs(mod, args.text), args.n, args.warmup),
-        }
+        tokens, text = token_inputs(mod, ids), text_inputs(mod, args.text)
+        suffixes = {name: "" if name == NAME else "@compare" for name in names}
+        groups = [{"floor": (FLOOR, tokens, None)}, {"floor_sender": (FLOOR_SENDER, tokens, None)},
+                  {f"encoder{suffixes[n]}": (f"{n}_encoder", tokens, None) for n in names}]
+        if args.outputs:
+            groups.append({f"encoder_named{suffixes[n]}": (f"{n}_encoder", tokens, args.outputs) for n in names})
+        groups.append({f"ensemble{suffixes[n]}": ("embed" if n == NAME else n, text, None) for n in names})
+        for n in names:
+            labels |= {f"encoder{suffixes[n]}": (None, f"{n}_encoder", False),
+                       f"encoder_named{suffixes[n]}": (None, f"{n}_encoder", False),
+                       f"ensemble{suffixes[n]}": ("embed" if n == NAME else n, f"{n}_encoder", True)}
+        phases = {label: out for group in groups for label, out in run_phase(client, mod, group, args.n,
+                                                                             args.warmup).items()}
     finally:
         server.terminate()  # graceful: the encoder's finalize writes its marks, Triton its traces
         try:
@@ -308,41 +333,59 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
     traces = read_traces(trace_file)
-    attach_marks([t for t in traces if t["model"] == f"{NAME}_encoder"], read_marks(marks_dir))
-    models = {"floor": [(FLOOR, False)], "floor_sender": [(FLOOR_SENDER, False)], "encoder": [(f"{NAME}_encoder", False)],
-              "encoder_named": [(f"{NAME}_encoder", False)],
-              "ensemble": [("embed", False), (f"{NAME}_tokenizer", True), (f"{NAME}_encoder", True)]}
-    for phase, out in phases.items():
+    for name in names:
+        model = f"{name}_encoder"
+        attach_marks([t for t in traces if t["model"] == model], read_marks(marks_dir, model))
+    for label, out in phases.items():
         window = out.pop("window_ns")
-        out["models"] = {model: timeline(in_window(traces, window, model, child)) for model, child in models[phase]}
-        top = out["models"][models[phase][0][0]]
-        out["server_us"] = top.get("server_us")
-        enc = in_window(traces, window, f"{NAME}_encoder", phase == "ensemble")
-        if enc:
-            out["pergola"] = pergola_split(enc)
+        if label in (FLOOR, FLOOR_SENDER):
+            models = [(label, False)]
+        else:
+            ensemble, encoder, step = labels[label]
+            models = [(ensemble, False), (f"{ensemble_prefix(ensemble)}_tokenizer", True)] if ensemble else []
+            models.append((encoder, step))
+        out["models"] = {model: timeline(in_window(traces, window, model, child)) for model, child in models}
+        out["server_us"] = out["models"][models[0][0]].get("server_us")
+        if label not in (FLOOR, FLOOR_SENDER):
+            enc = in_window(traces, window, labels[label][1], labels[label][2])
+            if enc:
+                out["pergola"] = pergola_split(enc)
     res |= phases
-    for phase in phases:
-        print_phase(phase, res[phase])
-    enc = phases["encoder"]
-    engine_us = (enc.get("pergola") or {}).get("engine (step + copy back)")
+    for label in phases:
+        print_phase(label, res[label])
     res["adapter_us"] = {}
-    for floor in (FLOOR, FLOOR_SENDER):
-        floor_us = phases[floor]["server_us"]
-        if floor_us is None or engine_us is None or enc.get("server_us") is None:
-            continue
-        res["adapter_us"][floor] = {
-            "server": enc["server_us"] - engine_us - floor_us,
-            "client": (enc["client_ms"]["p50"] - phases[floor]["client_ms"]["p50"]) * 1e3 - engine_us}
-        print(f"\npergola's adapter beyond {floor} (p50): {res['adapter_us'][floor]['server']:.0f} µs server-side "
-              f"(encoder server time - engine - floor server time), {res['adapter_us'][floor]['client']:.0f} µs "
-              "at the client")
+    for label in [label for label in phases if label.startswith("encoder")]:
+        enc = phases[label]
+        engine_us = (enc.get("pergola") or {}).get("engine (step + copy back)")
+        for floor in (FLOOR, FLOOR_SENDER):
+            floor_us = phases[floor]["server_us"]
+            if floor_us is None or engine_us is None or enc.get("server_us") is None:
+                continue
+            res["adapter_us"].setdefault(label, {})[floor] = added = {
+                "server": enc["server_us"] - engine_us - floor_us,
+                "client": (enc["client_ms"]["p50"] - phases[floor]["client_ms"]["p50"]) * 1e3 - engine_us}
+            print(f"\n{label}: pergola's adapter beyond {floor} (p50): {added['server']:.0f} µs server-side "
+                  f"(encoder server time - engine - floor server time), {added['client']:.0f} µs at the client")
     write_result(res, args.out)
 
 
-def git_commit() -> str:
+def ensemble_prefix(ensemble: str) -> str:
+    return NAME if ensemble == "embed" else ensemble
+
+
+def use_checkout(repo: Path, name: str, checkout: Path) -> None:
+    """Serve NAME's tokenizer and encoder with another checkout's adapters and engine package."""
+    for part, adapter in (("tokenizer", "tokenizer"), ("encoder", "encoder")):
+        version = repo / f"{name}_{part}" / "1"
+        shutil.copyfile(checkout / "python_models" / adapter / "model.py", version / "model.py")
+        (version / "pergola").unlink()
+        (version / "pergola").symlink_to(checkout / "python_models" / "pergola", target_is_directory=True)
+
+
+def git_commit(folder: Path) -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+                              cwd=folder).stdout.strip()
     except OSError:
         return ""
 
