@@ -21,7 +21,7 @@ from pergola.engine import EncodeRequest, Engine
 from pergola.hf_folder import load_model_spec
 from pergola.pooling import finish
 from pergola.tokenization import TextTokenizer
-from pergola.token_outputs import skipped_token_ids, sparse_outputs, token_outputs
+from pergola.token_outputs import row_width, skipped_token_ids, sparse_outputs, token_outputs
 from test_classify import post  # (base URL, path, JSON body) -> (status, JSON answer)
 
 XLMR_TEXTS = [*TEXTS, "repeated words repeated words repeated", "text with a literal <pad> token inside <pad> it"]
@@ -130,6 +130,23 @@ def lexical_cosine(got: dict[int, float], want: dict[int, float]) -> float:
         return 1.0
     a, b = np.array([got.get(k, 0.0) for k in keys]), np.array([want.get(k, 0.0) for k in keys])
     return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_sparse_request_gets_only_the_sparse_column(folders, device):
+    """A request for sparse alone takes one column of the per-token rows; in a step beside one
+    that asked for colbert too, both get what they asked for (on a GPU: BF16, static buffers)."""
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    engine = Engine(EngineConfig(model_dir=str(folders["m3"]), dtype=dtype, device=device))
+    width = engine.runner.token_width
+    assert (row_width(("dense",), width), row_width(("sparse",), width), row_width(("colbert",), width)) == (0, 1, 65)
+    enc = TextTokenizer(engine.spec).encode(XLMR_TEXTS[:4])
+    sparse_only, both = (EncodeRequest(enc.input_ids, enc.lengths, token_rows=np.empty((enc.input_ids.size, w),
+                                                                                       np.float32)) for w in (1, width))
+    engine.encode([sparse_only, both])
+    tol = 1e-6 if device == "cpu" else 1e-2  # the same text at other rows of the step's matmuls
+    np.testing.assert_allclose(sparse_only.token_rows[:, 0], both.token_rows[:, 0], atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.linalg.norm(both.token_rows[:, 1:], axis=1), 1.0, atol=tol)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloadin
 from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
-from pergola.token_outputs import skipped_token_ids, token_outputs
+from pergola.token_outputs import row_width, skipped_token_ids, token_outputs
 from pergola.triton_io import (EmbedOptions, RequestInputs, classify_options, embed_options, error_response, exit_soon,
                                instance_device, is_fatal_device_error, optional_array, required_array,
                                rerank_options, set_cpu_threads)
@@ -94,8 +94,9 @@ class TritonPythonModel:
         if self.classify:
             return req, classify_options(inputs, request)
         options = embed_options(inputs, request, self.hidden, self.engine.spec.normalize, self.engine.spec.outputs)
-        if options.outputs != ("dense",):  # bge-m3's per-token outputs: the loop fills these rows
-            req.token_rows = np.empty((req.input_ids.size, self.engine.runner.token_width), dtype=np.float32)
+        width = row_width(options.outputs, self.engine.runner.token_width)
+        if width:  # bge-m3's per-token outputs: the loop fills these rows
+            req.token_rows = np.empty((req.input_ids.size, width), dtype=np.float32)
         return req, options
 
     def execute(self, requests: list) -> None:

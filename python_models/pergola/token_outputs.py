@@ -44,6 +44,12 @@ def check_outputs(asked: list[str] | None, offered: tuple[str, ...]) -> tuple[st
     return tuple(dict.fromkeys(asked))
 
 
+def row_width(outputs: tuple[str, ...], token_width: int) -> int:
+    """Columns of the per-token rows a request needs: none for dense alone, the sparse weight
+    (column 0) alone for sparse, all of them (runner.token_width) with colbert."""
+    return token_width if "colbert" in outputs else int("sparse" in outputs)
+
+
 def skipped_token_ids(spec: ModelSpec) -> np.ndarray:
     """The ids of the tokenizer's cls, eos, pad and unk tokens (those it has), which the sparse
     output leaves out, as FlagEmbedding does; from tokenizer_config.json / special_tokens_map.json."""

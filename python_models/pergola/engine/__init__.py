@@ -26,7 +26,8 @@ class EncodeRequest:
     lengths: np.ndarray  # [n] int32
     prompt_lengths: np.ndarray | None = None  # [n] tokens left out of mean pooling
     token_types: np.ndarray | None = None  # [T] segment ids (cross-encoder pairs)
-    # [T, runner.token_width] fp32, given to get bge-m3's per-token outputs: filled as its steps finish.
+    # [T, columns] fp32, given to get bge-m3's per-token outputs: the first columns of the runner's
+    # per-token rows (token_outputs.row_width), filled as its steps finish.
     token_rows: np.ndarray | None = None
 
 
@@ -100,8 +101,9 @@ class Engine:
                hooked: bool = False) -> LazyTensor:
         """Start one step on the device and return without waiting (LazyTensor). `lane` and
         `hooked`: see ModelRunner.step (the encode loop's query lane)."""
-        tokens = any(requests[s.request].token_rows is not None for s in step.seqs)
-        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked, tokens=tokens)
+        columns = max((requests[s.request].token_rows.shape[1] for s in step.seqs
+                       if requests[s.request].token_rows is not None), default=0)
+        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked, token_columns=columns)
         self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
                           **{f"steps_{self.runner.last_mode}": 1})
         return lazy
@@ -141,13 +143,15 @@ def scatter(step: Step, lazy: LazyTensor, results: Mapping[Hashable, np.ndarray]
 
 def file_token_rows(step: Step, rows: np.ndarray | None, request_of: Callable[[Hashable], EncodeRequest | None]
                     ) -> None:
-    """Copy the step's per-token rows ([step tokens, width], sequences in step order) into the
-    `token_rows` of the requests that gave one (request_of: key -> request, None once it is gone)."""
+    """Copy the step's per-token rows ([step tokens, columns], sequences in step order) into the
+    `token_rows` of the requests that gave one, as many columns as each has (request_of: key ->
+    request, None once it is gone)."""
     if rows is None:
         return
     offset = 0
     for s in step.seqs:
         request = request_of(s.request)
         if request is not None and request.token_rows is not None:
-            request.token_rows[s.start:s.start + s.length] = rows[offset:offset + s.length]
+            out = request.token_rows
+            out[s.start:s.start + s.length] = rows[offset:offset + s.length, :out.shape[1]]
         offset += s.length

@@ -336,14 +336,15 @@ class ModelRunner:
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
              token_types: np.ndarray | None = None, lane: int = 0, hooked: bool = False,
-             tokens: bool = False) -> LazyTensor:
+             token_columns: int = 0) -> LazyTensor:
         """Launch one step (forward + pooling + copy to host) on `lane` and return without waiting.
-        A `hooked` step calls `layer_hook` between its layers when it runs eagerly; with `tokens`
-        the per-token rows of bge-m3's heads come to the host too (LazyTensor.tokens)."""
+        A `hooked` step calls `layer_hook` between its layers when it runs eagerly; the first
+        `token_columns` columns of the per-token rows of bge-m3's heads come to the host too
+        (LazyTensor.tokens; 1: the sparse weights alone)."""
         if not self.lanes:
             with self._armed(hooked):
                 pooled, rows = self.forward(self.prepare(input_ids, lengths, skips, token_types))
-                return self._lazy(pooled, tokens=rows if tokens else None)
+                return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None)
         ln = self.lanes[lane]
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
         key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None else None
@@ -361,8 +362,8 @@ class ModelRunner:
             with self._armed(hooked):
                 self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan)
             self.last_mode = "eager"
-        rows = ln.buffers.tokens if tokens else None
-        return self._lazy(ln.buffers.pooled[:num_seqs], ln, None if rows is None else rows[:num_tokens])
+        rows = ln.buffers.tokens[:num_tokens, :token_columns] if token_columns else None
+        return self._lazy(ln.buffers.pooled[:num_seqs], ln, rows)
 
     @contextmanager
     def _armed(self, on: bool):
