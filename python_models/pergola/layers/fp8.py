@@ -21,10 +21,12 @@ BF16 weight.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
-from pergola.layers.fused import HAVE_TRITON, use_triton
+from pergola.layers.fused import HAVE_TRITON, silu_and_mul, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -35,6 +37,14 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-12  # an all-zero row (padding) gets a tiny scale instead of a division by zero
 MIN_CAPABILITY = (8, 9)
 QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization's choices (config.py spells them out too)
+
+
+class Fp8Rows(NamedTuple):
+    """An activation already quantized per row, which an FP8 projection takes as it is: what
+    `GateUpLinear` hands its down projection (SiLU * mul and the quantization in one kernel)."""
+
+    q: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M, 1] fp32
 
 
 class QuantizationUnsupported(ValueError):
@@ -100,6 +110,24 @@ if HAVE_TRITON:
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
 
+    @triton.jit
+    def _silu_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, n_cols, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+        # x [M, 2I] gate | up (BF16) -> silu(gate) * up with the BF16 roundings of fused.silu_and_mul,
+        # then quantized as _quantize_rows_kernel does: the [M, I] product never reaches memory.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dt = x_ptr.dtype.element_ty
+        gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        y = (act * up).to(dt).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX), FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
 
 def launch_quantize_rows(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel itself; also what the CPU tests run through Triton's interpreter."""
@@ -115,19 +143,37 @@ def launch_quantize_rows(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple
     return q, scale
 
 
+def launch_silu_mul_quantize(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> Fp8Rows:
+    """silu(gate) * up of x [M, 2I] (gate | up), quantized per row, in one Triton kernel."""
+    x = x.contiguous()
+    m, n = x.shape[0], x.shape[1] // 2
+    q = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(n)
+        _silu_mul_quantize_kernel[(m,)](x, q, scale, n, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK=block,
+                                        num_warps=max(1, min(8, block // 512)))
+    return Fp8Rows(q, scale)
+
+
+def silu_mul_quantize(x: torch.Tensor) -> Fp8Rows:
+    """[M, 2I] gate | up -> silu(gate) * up [M, I] quantized per row (one kernel on CUDA)."""
+    return launch_silu_mul_quantize(x) if use_triton(x) else Fp8Rows(*quantize_rows_ref(silu_and_mul(x)))
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic quantization of x [M, K] (one kernel on CUDA): (q e4m3 [M, K], scale fp32 [M, 1])."""
     return launch_quantize_rows(x) if use_triton(x) else quantize_rows_ref(x)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (BF16) @ weight [N, K]^T (e4m3, scale [1, N]) (+ bias [N]) -> [M, N] BF16.
+    """x [M, K] (BF16, or already quantized) @ weight [N, K]^T (e4m3, scale [1, N]) (+ bias [N]) -> [M, N] BF16.
 
     `weight.t()` is the column-major [K, N] operand cuBLASLt wants, with no copy. Runs on the CPU
     too (PyTorch's reference kernel), which the tests use.
     """
-    q, scale = quantize_rows(x)
+    q, scale = x if isinstance(x, Fp8Rows) else quantize_rows(x)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
                             out_dtype=torch.bfloat16)
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergola.layers.fp8 import fp8_linear, quantize_weight
+from pergola.layers.fp8 import Fp8Rows, fp8_linear, quantize_weight, silu_mul_quantize
 from pergola.layers.fused import HAVE_TRITON, silu_and_mul, use_triton
 
 if HAVE_TRITON:
@@ -339,8 +339,9 @@ class Linear(nn.Module):
             return None
         return pick_tile(self.tiles, x.shape[0])
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in] -> [M, out]; residual [M, out]: the product is added to it in place (`linear`)."""
+    def forward(self, x: torch.Tensor | Fp8Rows, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] -> [M, out]; residual [M, out]: the product is added to it in place (`linear`).
+        An FP8 projection also takes x already quantized (Fp8Rows)."""
         if self.weight_scale is not None:  # FP8: the bias rides in the matmul, the residual is one add
             y = fp8_linear(x, self.weight, self.weight_scale, self.bias)
             return y if residual is None else residual.add_(y)
@@ -376,9 +377,11 @@ class GateUpLinear(MergedLinear):
     def output_columns(self) -> int:
         return self.weight.shape[0] // 2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
+        """In FP8, silu(gate) * up comes out quantized for the down projection (Fp8Rows): SiLU,
+        the product and the quantization are one kernel and [M, I] never goes to memory in BF16."""
         if self.weight_scale is not None:
-            return silu_and_mul(fp8_linear(x, self.weight, self.weight_scale))
+            return silu_mul_quantize(fp8_linear(x, self.weight, self.weight_scale))
         return gated_linear(x, self.weight, self.tile(x))
 
 
