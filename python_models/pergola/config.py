@@ -40,11 +40,11 @@ class EngineConfig:
                                      "their steps come first and run between the layers of a large "
                                      "step in flight, so a query waits about one layer, not a whole step "
                                      "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
-    query_fill_tokens: int = option(2048, "a queries' step is topped up with queued bulk sequences to this many "
-                                          "tokens (at most query_tokens): a small step costs the GPU nearly as "
-                                          "much as one of 2k tokens, so the bulk work it carries is nearly free "
-                                          "(engine/scheduler.py LaneQueue; GPU only); 0: queries' steps hold "
-                                          "queries only")
+    query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
+                                       "tokens (at most query_tokens). Bulk work then loses less to queries (88% "
+                                       "of its throughput kept instead of 83% at 2,048, H200, 100 x 512 tokens) "
+                                       "but a query waits for the larger step (p50 7.2 ms instead of 3.9; "
+                                       "perf/RESULTS.md, mixed traffic); 0: queries' steps hold queries only")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
     max_texts: int = option(1024, "most texts in one embedding request")
     max_documents: int = option(1024, "most documents in one rerank request")
