@@ -194,9 +194,12 @@ def served(tmp_path_factory: pytest.TempPathFactory, folders):
 
 
 def infer(served, texts: list[str], outputs: list[str] | None, model: str = "m3") -> dict[str, np.ndarray]:
+    """The embed ensemble's answer by output name (a model without the heads has EMBEDDING alone)."""
     import tritonclient.grpc as grpcclient
 
-    names = ["EMBEDDING", "SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"]
+    names = ["EMBEDDING"]
+    if model == "m3":
+        names += ["SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"]
     with grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}") as client:
         inputs = [grpcclient.InferInput("TEXT", [len(texts)], "BYTES")]
         inputs[0].set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
@@ -280,6 +283,17 @@ def test_a_model_without_the_heads_refuses_them(served, outputs, message):
     with pytest.raises(InferenceServerException, match=message) as e:
         infer(served, ["text"], outputs, model="plain")
     assert "INVALID_ARG" in str(e.value.status()) or "sparse_linear.pt" in str(e.value)
+
+
+def test_only_a_model_with_the_heads_declares_their_outputs(served):
+    """Each output an ensemble maps costs every request a tensor: a plain embedder's has none of them."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}") as client:
+        outputs = {name: {o.name for o in client.get_model_config(name).config.output} for name in ("m3", "plain")}
+    assert {"SPARSE_INDICES", "TOKEN_EMBEDDINGS"} <= outputs["m3"]
+    assert not {"SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"} & outputs["plain"]
+    assert infer(served, ["text"], ["dense"], model="plain")["EMBEDDING"].shape == (1, 64)
 
 
 def test_unknown_output_is_refused_by_name(served):

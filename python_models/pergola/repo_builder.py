@@ -55,6 +55,21 @@ def _parameters_block(params: dict[str, str]) -> str:
     return "\n".join(items)
 
 
+# bge-m3's ragged outputs (pergola.token_outputs) and their dims in the embed ensemble, which
+# declares and maps them only for a model with the heads.
+TOKEN_OUTPUTS = {"SPARSE_INDICES": ("INT64", "-1"), "SPARSE_VALUES": ("FP32", "-1"), "SPARSE_OFFSETS": ("INT64", "-1"),
+                 "TOKEN_EMBEDDINGS": ("FP32", "-1, -1"), "TOKEN_OFFSETS": ("INT64", "-1")}
+
+
+def token_output_blocks(heads: bool) -> dict[str, str]:
+    """The embed ensemble's `token_outputs` (output list) and `token_output_map` (encoder step)."""
+    if not heads:
+        return {"token_outputs": "", "token_output_map": ""}
+    declared = "".join(f',\n  {{ name: "{n}" data_type: TYPE_{t} dims: [ {d} ] }}' for n, (t, d) in TOKEN_OUTPUTS.items())
+    mapped = "".join(f'\n      output_map {{ key: "{n}" value: "{n}" }}' for n in TOKEN_OUTPUTS)
+    return {"token_outputs": declared, "token_output_map": mapped}
+
+
 def _render(template: str, **values: object) -> str:
     return Template((TEMPLATES / template).read_text()).substitute({k: str(v) for k, v in values.items()})
 
@@ -124,7 +139,7 @@ def write_model(repo: Path, entry: ModelEntry, group: str) -> str:
             max_queue_size=triton.max_queue_size, queue_timeout_us=triton.queue_timeout_ms * 1000,
         ))
         _write_version(mdir, adapter, spec.path)
-    write_ensemble(repo, name, name, ens_template)
+    write_ensemble(repo, name, name, ens_template, bool(spec.token_heads))
     return spec.task
 
 
@@ -153,10 +168,12 @@ def add_version(repo: str | Path, name: str, folder: str | Path) -> int:
     return max(versions)
 
 
-def write_ensemble(repo: Path, ensemble: str, name: str, template: str) -> None:
+def write_ensemble(repo: Path, ensemble: str, name: str, template: str, token_heads: bool = False) -> None:
+    """The ensemble `ensemble` of model `name`; `token_heads`: with bge-m3's outputs (embed)."""
     edir = repo / ensemble
     (edir / "1").mkdir(parents=True, exist_ok=True)
-    (edir / "config.pbtxt").write_text(_render(template, ensemble=ensemble, name=name))
+    (edir / "config.pbtxt").write_text(_render(template, ensemble=ensemble, name=name,
+                                               **token_output_blocks(token_heads)))
 
 
 def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, clean: bool = True,
@@ -180,7 +197,7 @@ def build_repository(repo: str | Path, entries: list[ModelEntry], gpu: bool, cle
         task = write_model(repo, entry, group)
         *_, ens_template, alias = TASKS[task]
         if alias not in aliased:
-            write_ensemble(repo, alias, entry.name, ens_template)
+            write_ensemble(repo, alias, entry.name, ens_template, bool(entry.config.spec().token_heads))
             aliased.add(alias)
     return repo
 

@@ -35,6 +35,7 @@ class ServedModel:
     task: str  # "embed", "rerank" or "classify"
     settings: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields from config.pbtxt
     labels: list[str] = field(default_factory=list)  # a classifier's label names (config.pbtxt `labels`)
+    outputs: tuple[str, ...] = ("dense",)  # an embedder's OUTPUTS: bge-m3's sparse / colbert where declared
 
     def limit(self, name: str) -> Any:
         """An EngineConfig limit as this model's server has it (its default if not written)."""
@@ -80,7 +81,10 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
         return None
     parameters = encoder.get("parameters", {})
     labels = json.loads(parameters.get(LABELS_PARAMETER, {}).get("string_value") or "[]")
-    return ServedModel(name, target, task, _settings(parameters), labels)
+    declared = {o["name"] for o in config.get("output", [])}
+    outputs = ("dense", *(o for o, tensor in (("sparse", "SPARSE_INDICES"), ("colbert", "TOKEN_EMBEDDINGS"))
+                          if tensor in declared))
+    return ServedModel(name, target, task, _settings(parameters), labels, outputs)
 
 
 async def discover(client: grpcaio.InferenceServerClient, admin_token: str | None,

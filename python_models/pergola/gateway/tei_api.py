@@ -39,6 +39,7 @@ from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, JSONResponse, Keys, error_response, read_body
 from pergola.gateway.state import Gateway
+from pergola.token_outputs import check_outputs
 
 VERSION = "pergola-gateway"
 
@@ -90,6 +91,7 @@ async def embed(gw: Gateway, request: Request) -> Any:
 async def _per_token(gw: Gateway, request: Request, output: str) -> tuple[PerToken, dict[str, str]]:
     """bge-m3's `output` (sparse | colbert) of a TEI body's inputs, and the x-total-tokens header."""
     body, model, texts = await text_inputs(gw, request)
+    check_outputs([output], model.outputs)  # (RequestError: 400, naming what the model gives)
     opts = EmbedOptions(prompt_name=body.get("prompt_name", str), truncate=_truncation(body, model))
     try:
         out = await gw.backend.per_token(model, texts, [output], opts)
