@@ -79,7 +79,9 @@ def quantize_rows_ref(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[to
     interpreter can check: its fp8 conversion is not the hardware's).
     """
     x32 = x.float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    # times the fp32 reciprocal, not a division: what PyTorch's CUDA division by a scalar does,
+    # and what the kernel does, so the twins agree bit for bit
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(out_dtype), scale
 
 
@@ -100,12 +102,12 @@ if HAVE_TRITON:
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, FP8_MAX: tl.constexpr,
                               MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr):
         # One program per row: amax, scale = amax / FP8_MAX, q = clamp(x / scale) in q's dtype
-        # (e4m3 on the GPU, fp32 in the interpreter's tests). Divisions rounded to nearest, as torch's.
+        # (e4m3 on the GPU, fp32 in the interpreter's tests). x / scale rounded to nearest, as torch's.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), FP8_MAX)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) * (1.0 / FP8_MAX)
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
@@ -123,7 +125,7 @@ if HAVE_TRITON:
         up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
         y = (act * up).to(dt).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX), FP8_MAX)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX) * (1.0 / FP8_MAX)
         q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
@@ -170,12 +172,18 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (BF16, or already quantized) @ weight [N, K]^T (e4m3, scale [1, N]) (+ bias [N]) -> [M, N] BF16.
 
-    `weight.t()` is the column-major [K, N] operand cuBLASLt wants, with no copy. Runs on the CPU
-    too (PyTorch's reference kernel), which the tests use.
+    `weight.t()` is the column-major [K, N] operand the GPU kernel wants, with no copy. Fast
+    accumulation (Hopper's FP8 accumulator, no periodic promotion to fp32) measured 15-30% faster
+    at M = 51,200 on the Qwen3-0.6B projections on the H200, per-row cosine against the exact
+    accumulation >= 0.999996. On the CPU, the same product in fp32 from the dequantized operands
+    (PyTorch's CPU `_scaled_mm` takes row-wise scales in some versions only), which the tests use.
     """
     q, scale = x if isinstance(x, Fp8Rows) else quantize_rows(x)
+    if not q.is_cuda:
+        y = dequantize(q, scale) @ dequantize(weight, weight_scale).t()
+        return (y if bias is None else y + bias.float()).to(torch.bfloat16)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
-                            out_dtype=torch.bfloat16)
+                            out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
 def fits(weight: torch.Tensor) -> bool:
