@@ -177,6 +177,40 @@ def test_bulk_sequences_carried_by_queries_steps_equal_their_lone_computation(en
         np.testing.assert_allclose(got[f"q{i}"], alone[i], atol=1e-5)
 
 
+def test_an_idle_loop_runs_a_query_at_once_and_queues_everything_else(engine):
+    """run_now: a query while the loop sleeps is computed on the caller's thread and equals its
+    lone computation; bulk work, or any request while the loop has work, gets None (queue it)."""
+    query, bulk = ids_request(1, 40, seed=41), ids_request(8, 256, seed=42)
+    alone = engine.encode([query])[0]
+    loop = EncodeLoop(engine)
+    try:
+        deadline = time.monotonic() + 10
+        while not loop._idle and time.monotonic() < deadline:  # the loop's thread goes to sleep
+            time.sleep(0.01)
+        got = loop.run_now(query)
+        assert got is not None
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+        assert loop.run_now(bulk) is None  # 2,048 tokens: not a query
+        hook, started, release = engine.runner.layer_hook, threading.Event(), threading.Event()
+
+        def held_hook() -> None:
+            started.set()
+            release.wait(30)
+            hook()
+
+        engine.runner.layer_hook = held_hook
+        done = threading.Event()
+        loop.submit(Job(bulk, deliver=lambda r: done.set(), fail=print))
+        assert started.wait(30)
+        assert loop.run_now(query) is None  # the loop is busy: the query goes through it
+        release.set()
+        assert done.wait(60)
+    finally:
+        release.set()
+        engine.runner.layer_hook = hook
+        loop.stop()
+
+
 def test_queries_cannot_starve_bulk_work(engine):
     """Queries kept queued back to back, more than the engine serves: the bulk request still
     finishes (at most one query step runs per bulk layer, and the loop never picks two query

@@ -12,6 +12,7 @@ between steps; new work is refused at once (UNAVAILABLE) when the queue is full 
 """
 
 import faulthandler
+import threading
 import time
 from functools import partial
 
@@ -63,16 +64,22 @@ class TritonPythonModel:
         self.metrics = EncoderMetrics(pb_utils, args["model_name"], attention, flush_s=self.cfg.metrics_flush_s,
                                       info=info_labels(self.cfg))
         self.timing = AdapterTiming.from_env(self.model_name)  # None unless PERGOLA_ADAPTER_TIMING is set
+        # The metrics are touched by the loop's thread (after its steps, when idle) and by
+        # execute()'s (queries answered at once).
+        self.metrics_lock = threading.Lock()
         self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds, on_step=self._on_step,
-                               on_idle=lambda: self.metrics.flush(self.engine.stats), on_fatal=self._fatal)
+                               on_idle=self._on_idle, on_fatal=self._fatal)
+
+    def _on_idle(self) -> None:
+        with self.metrics_lock:
+            self.metrics.flush(self.engine.stats)
 
     def _on_step(self) -> None:
-        if self.timing is None:
-            self.metrics.update(self.engine.stats, self.loop)
-            return
         t0 = time.monotonic_ns()
-        self.metrics.update(self.engine.stats, self.loop)
-        self.timing.metrics_ns.append(time.monotonic_ns() - t0)
+        with self.metrics_lock:
+            self.metrics.update(self.engine.stats, self.loop)
+        if self.timing is not None:
+            self.timing.metrics_ns.append(time.monotonic_ns() - t0)
 
     def _decode(self, request, marks: dict | None = None) -> tuple[EncodeRequest, EmbedOptions | RerankOptions | ClassifyOptions]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
@@ -99,14 +106,23 @@ class TritonPythonModel:
             req.token_rows = np.empty((req.input_ids.size, width), dtype=np.float32)
         return req, options
 
-    def execute(self, requests: list) -> None:
+    def execute(self, requests: list) -> list | None:
         now = time.monotonic()
         timing = self.timing
         for request in requests:
             marks = None if timing is None else timing.begin()
+            decoded = None
+            if len(requests) == 1:  # a lone request: a query is answered at once when the loop is idle
+                try:
+                    decoded = self._decode(request, marks)
+                    answer = self._at_once(request, *decoded, marks)
+                except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                    return [self._error_response(e)]
+                if answer is not None:
+                    return [answer]
             sender = request.get_response_sender()
             try:
-                req, options = self._decode(request, marks)
+                req, options = decoded or self._decode(request, marks)
                 timeout_us = request.timeout()  # Triton's per-request `timeout` parameter (0: none)
                 wanted = request.requested_output_names()  # all of them when the caller named none
                 job = Job(req, deliver=partial(self._deliver, sender, options, marks, req, wanted),
@@ -122,10 +138,44 @@ class TritonPythonModel:
                 self._fail(sender, e)
         return None
 
+    def _at_once(self, request, req: EncodeRequest, options: EmbedOptions | RerankOptions | ClassifyOptions,
+                 marks: dict | None):
+        """The response of a query computed on this thread while the encode loop is idle
+        (EncodeLoop.run_now: no hand-off to the loop's thread, no response sender); None: the
+        loop has work, or this is not a query, so it is queued instead."""
+        t0 = time.perf_counter()
+        if marks is not None:
+            marks["options"] = marks["submitted"] = marks["started"] = time.monotonic_ns()
+        try:
+            pooled = self.loop.run_now(req)
+        except Exception as e:
+            self._fatal(e)  # a poisoned device ends this stub, as in the loop
+            raise
+        if pooled is None:
+            return None
+        with self.metrics_lock:
+            self.metrics.observe_at_once(int(req.input_ids.size), time.perf_counter() - t0)
+            self.metrics.update(self.engine.stats)
+        if marks is not None:
+            marks["engine_done"] = time.monotonic_ns()
+        response = self._response(options, req, request.requested_output_names(), pooled)
+        if marks is not None:
+            marks["built"] = marks["sent"] = time.monotonic_ns()
+        return response
+
     def _deliver(self, sender, options: EmbedOptions | RerankOptions | ClassifyOptions, marks: dict | None,
                  req: EncodeRequest, wanted: set[str], pooled: np.ndarray) -> None:
         if marks is not None:
             marks["engine_done"], marks["started"] = time.monotonic_ns(), int(marks.pop("job").started_at * 1e9)
+        response = self._response(options, req, wanted, pooled)
+        if marks is not None:
+            marks["built"] = time.monotonic_ns()
+        sender.send(response, flags=FINAL)
+        if marks is not None:
+            marks["sent"] = time.monotonic_ns()
+
+    def _response(self, options: EmbedOptions | RerankOptions | ClassifyOptions, req: EncodeRequest,
+                  wanted: set[str], pooled: np.ndarray):
         if isinstance(options, ClassifyOptions):
             outputs = {"PROBS": activate(pooled, self.activation, options.raw_scores), "LABELS": self.labels}
         elif isinstance(options, RerankOptions):
@@ -135,12 +185,7 @@ class TritonPythonModel:
             outputs = self._embeddings(options, req, pooled)
         # Only the outputs asked for: each costs a tensor in shared memory and an output in the server
         # (a direct call that names EMBEDDING gets 1 instead of 9; an ensemble asks for all it maps).
-        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items() if k in wanted])
-        if marks is not None:
-            marks["built"] = time.monotonic_ns()
-        sender.send(response, flags=FINAL)
-        if marks is not None:
-            marks["sent"] = time.monotonic_ns()
+        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items() if k in wanted])
 
     def _embeddings(self, options: EmbedOptions, req: EncodeRequest, pooled: np.ndarray) -> dict[str, np.ndarray]:
         """EMBEDDING* ([n, 0] when OUTPUTS leaves out dense) and bge-m3's ragged SPARSE_* / TOKEN_*
@@ -150,15 +195,17 @@ class TritonPythonModel:
         return outputs | token_outputs(self.engine.spec, options.outputs, req.input_ids, req.lengths, req.token_rows,
                                        self.skipped_ids)
 
+    @classmethod
+    def _fail(cls, sender, exc: BaseException) -> None:
+        sender.send(cls._error_response(exc), flags=FINAL)
+
     @staticmethod
-    def _fail(sender, exc: BaseException) -> None:
+    def _error_response(exc: BaseException):
         codes = {Overloaded: "UNAVAILABLE", Unloading: "UNAVAILABLE", Cancelled: "CANCELLED"}
         code = next((c for cls, c in codes.items() if isinstance(exc, cls)), None)
         if code is None:
-            response = error_response(pb_utils, exc)
-        else:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
-        sender.send(response, flags=FINAL)
+            return error_response(pb_utils, exc)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
 
     def _fatal(self, exc: BaseException) -> bool:
         """A poisoned CUDA context cannot serve again: fail everything and end this stub."""

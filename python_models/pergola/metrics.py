@@ -201,6 +201,12 @@ class EncoderMetrics:
         for job in loop.completed:
             self.histograms["queue_wait"].observe(max(job.started_at - job.queued_at, 0.0))
 
+    def observe_at_once(self, tokens: int, seconds: float) -> None:
+        """A query the adapter computed at once (EncodeLoop.run_now): its own step, no queue wait."""
+        self.histograms["step_tokens"].observe(tokens)
+        self.histograms["step_seconds"].observe(seconds)
+        self.histograms["queue_wait"].observe(0.0)
+
     def flush(self, stats: Counter[str], histograms: bool = True) -> None:
         """Add to Triton's counters what the engine counted since the last flush (and to the
         histograms what they observed: the idle flush and finalize send them always)."""

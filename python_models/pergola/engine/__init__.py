@@ -111,7 +111,7 @@ class Engine:
     def new_queue(self) -> WorkQueue:
         return WorkQueue(self.cfg.step_tokens, self.cfg.max_batch_seqs)
 
-    def encode(self, requests: list[EncodeRequest]) -> list[np.ndarray]:
+    def encode(self, requests: list[EncodeRequest], lane: int = 0) -> list[np.ndarray]:
         """-> one [n_i, out_dim] fp32 array per request: pooled embeddings (not yet truncated or
         normalised), or a reranker's or classifier's logits (pergola.heads.activate). Synchronous; the server runs the same steps from
         its own loop (engine/loop.py)."""
@@ -123,7 +123,7 @@ class Engine:
         self.stats.update(requests=len(requests))
         inflight: tuple[Step, LazyTensor] | None = None
         for step in queue.steps():
-            lazy = self.launch(step, by_key)  # packed while the last step runs
+            lazy = self.launch(step, by_key, lane=lane)  # packed while the last step runs
             if inflight is not None:
                 scatter(*inflight, results, by_key.get)
             inflight = (step, lazy)
