@@ -4,6 +4,7 @@
 # scripts/vllm_setup.sh for the vllm step):
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
+#                                              # batch1 adapter fp8 archs
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -88,7 +89,21 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
         --suites inproc server --out "$OUT/vllm_minilm.json") ;;
-    *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening gateway engine server" \
-         "scoring vllm vllm_inproc minilm)" >&2; exit 2 ;;
+    batch1)  # batch-1 latency through Triton only (latency + perf_analyzer suites), ~1 minute
+      run batch1 python3 perf/bench_server.py --model qwen3-0.6b --suites latency perf_analyzer --latency-n 100 \
+        --out "$OUT/server_batch1.json" ;;
+    adapter)  # where a batch-1 request's time goes between the gRPC client and the engine (Triton's trace)
+      run adapter python3 perf/bench_adapter.py --model qwen3-0.6b --device gpu -n 500 --outputs EMBEDDING \
+        --out "$OUT/adapter_gpu.json" ;;
+    fp8)  # FP8: its GPU tests, fidelity against BF16, engine throughput against BF16, a few minutes
+      PERGOLA_TEST_DEVICE=gpu run pytest_fp8 python3 -m pytest -q -rs tests/test_fp8.py
+      run fp8_fidelity python3 perf/fp8_fidelity.py --models minilm qwen3-0.6b --out "$OUT/fp8_fidelity.json"
+      run engine_fp8 python3 perf/bench_engine.py --models qwen3-0.6b --latency-n 40 --variant fp8:quantization=fp8 \
+        --out "$OUT/engine_fp8.json" ;;
+    archs)  # the architectures' GPU tests: published shapes, bge-m3's outputs, decoder rerankers
+      PERGOLA_TEST_DEVICE=gpu run pytest_archs python3 -m pytest -q -ra tests/test_architectures_gpu.py \
+        tests/test_bge_m3.py tests/test_decoder_rerankers.py -k "gpu or published" ;;
+    *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
+         "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs)" >&2; exit 2 ;;
   esac
 done
