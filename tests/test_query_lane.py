@@ -190,6 +190,7 @@ def test_an_idle_loop_runs_a_query_at_once_and_queues_everything_else(engine):
         got = loop.run_now(query)
         assert got is not None
         np.testing.assert_allclose(got, alone, atol=1e-5)
+        assert loop.throughput.last[0] == 40  # admission's rate follows these steps too
         assert loop.run_now(bulk) is None  # 2,048 tokens: not a query
         hook, started, release = engine.runner.layer_hook, threading.Event(), threading.Event()
 

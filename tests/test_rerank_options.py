@@ -65,9 +65,7 @@ def fake_request(**inputs) -> tuple[SimpleNamespace, dict]:
 def test_options_are_decoded_into_typed_objects():
     pb_utils, request = fake_request(DIMENSIONS=np.int32(32), NORMALIZE=np.bool_(False))
     options = embed_options(pb_utils, request, hidden=384, default_normalize=True)
-    assert options == EmbedOptions(dimensions=32, normalize=False, encoding="float32")
-    dims, normalize, encoding = options  # the tokenizer adapter unpacks it
-    assert (dims, normalize, encoding) == (32, False, "float32")
+    assert options == EmbedOptions(dimensions=32, normalize=False, encoding="float32", outputs=("dense",))
     pb_utils, request = fake_request(TOP_N=np.int32(3))
     assert rerank_options(pb_utils, request) == RerankOptions(3)
     pb_utils, request = fake_request()

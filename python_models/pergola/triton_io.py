@@ -70,7 +70,7 @@ def required_strings(pb_utils: Any, request: Any, name: str) -> list[bytes]:
 
 
 class EmbedOptions(NamedTuple):
-    """What an embedding request asks of its answer (a tuple too: the tokenizer adapter unpacks it)."""
+    """What an embedding request asks of its answer."""
 
     dimensions: int  # leading dimensions kept, 0: all
     normalize: bool

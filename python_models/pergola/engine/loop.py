@@ -164,10 +164,15 @@ class EncodeLoop:
             if not self._idle or self._queue or self._stopping or not self._queue.is_query(int(request.input_ids.size)):
                 return None
         self.answered_at_once += 1
+        t0 = time.perf_counter()
         if self.engine.device.type != "cuda":
-            return self.engine.encode([request], lane=self.engine.runner.query_lane)[0]
-        with torch.cuda.device(self.engine.device):
-            return self.engine.encode([request], lane=self.engine.runner.query_lane)[0]
+            result = self.engine.encode([request], lane=self.engine.runner.query_lane)[0]
+        else:
+            with torch.cuda.device(self.engine.device):
+                result = self.engine.encode([request], lane=self.engine.runner.query_lane)[0]
+        with self._cond:  # admission's throughput follows these steps too, not only the loop's
+            self.throughput.add(int(request.input_ids.size), time.perf_counter() - t0)
+        return result
 
     def _admit(self, job: Job, tokens: int) -> None:
         """Refuse a request whose wait would pass max_queue_seconds or its own deadline. Its wait
