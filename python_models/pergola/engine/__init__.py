@@ -101,8 +101,10 @@ class Engine:
                hooked: bool = False) -> LazyTensor:
         """Start one step on the device and return without waiting (LazyTensor). `lane` and
         `hooked`: see ModelRunner.step (the encode loop's query lane)."""
-        columns = max((requests[s.request].token_rows.shape[1] for s in step.seqs
-                       if requests[s.request].token_rows is not None), default=0)
+        columns = 0  # per-token rows to copy back: only a model with bge-m3's heads has any
+        if self.runner.token_width:
+            columns = max((requests[s.request].token_rows.shape[1] for s in step.seqs
+                           if requests[s.request].token_rows is not None), default=0)
         lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked, token_columns=columns)
         self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
                           **{f"steps_{self.runner.last_mode}": 1})
