@@ -3,9 +3,12 @@ gateway (HTTP/JSON, OpenAI route), against one tritonserver on this machine.
 
     python perf/bench_gateway.py --model qwen3-0.6b --out perf/out/gateway.json
 
-  latency      batch 1, sequential: 128 pre-tokenized tokens (NAME_encoder vs /v1/embeddings with
-               token ids) and a ~8-word text query (`embed` ensemble vs /v1/embeddings); the
-               gateway's added p50 is the difference
+  latency      batch 1, sequential, the doors taking turns in blocks of 10 requests (paired under
+               the same drift of the machine's speed): 128 pre-tokenized tokens (NAME_encoder vs
+               /v1/embeddings with token ids) and a ~8-word text query (`embed` ensemble vs
+               /v1/embeddings, tokenized in the gateway as `pergola serve` runs it, and through a
+               second gateway that sends texts through the ensemble); the gateway's added p50 is
+               the difference
   throughput   batch 100 x 512 tokens pre-tokenized, four client processes (base64 answers, as
                the openai SDK asks) vs the same through tritonclient
   concurrency  512-token texts, 1 / 4 / 16 in flight (one keep-alive connection per client thread)
@@ -24,14 +27,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import NAME, grpc_client, infer_text, infer_tokens, run_client_processes  # noqa: E402
 from bench_server import run_throughput  # noqa: E402
-from common import model_folder, percentiles, time_latency, write_result  # noqa: E402
+from common import model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY  # noqa: E402
 
@@ -119,8 +122,7 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start(opts, log_path=workdir / "tritonserver.log")
     gw_port = free_port() if gateway else None
-    gw = gw_port and spawn(GatewayOptions(triton=f"127.0.0.1:{opts.grpc_port}", gateway_port=gw_port,
-                                          gateway_bind="127.0.0.1", models=NAME))
+    gw = gw_port and spawn_gateway(opts, gw_port)
     try:
         wait_ready(opts.http_port, server, timeout=300)
         print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
@@ -131,6 +133,45 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
             gw.terminate()
         server.terminate()
         server.wait(timeout=60)
+
+
+def spawn_gateway(server: ServerOptions, port: int, **options):
+    """The gateway in front of `server` as `pergola serve` starts it (reading its repository)."""
+    return spawn(GatewayOptions(triton=f"127.0.0.1:{server.grpc_port}", gateway_port=port, gateway_bind="127.0.0.1",
+                                models=NAME, triton_repository=str(server.repo), **options))
+
+
+def time_paired(calls: dict[str, Callable[[list], object]], inputs: list, n: int, block: int = 10,
+                warmup: int = 3) -> dict[str, dict]:
+    """Each call `n` times, taking turns in blocks of `block` (every other round in reverse
+    order), so that drift in the machine's speed touches them alike; -> percentiles per call."""
+    for call in calls.values():
+        for i in range(warmup):
+            call(inputs[i % len(inputs)])
+    ms: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(-(-n // block)):
+        for name in order if r % 2 == 0 else order[::-1]:
+            for i in range(r * block, min(n, (r + 1) * block)):
+                t0 = time.perf_counter()
+                calls[name](inputs[i % len(inputs)])
+                ms[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: percentiles(v) for name, v in ms.items()}
+
+
+def tokenizes_texts(port: int, timeout_s: float = 60.0) -> bool:
+    """Whether the gateway on `port` tokenizes a query itself, once its tokenizer has loaded (it
+    loads on the first text; until then texts go through the ensemble): polls its metrics."""
+    deadline = time.monotonic() + timeout_s
+    gw = Gateway(port)
+    while time.monotonic() < deadline:
+        gw.embed(QUERY)
+        gw.conn.request("GET", "/metrics")
+        text = gw.conn.getresponse().read().decode()
+        if any(line.startswith('pergola_gateway_embedded_texts_total{tokenized="gateway"}') for line in text.splitlines()):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _first_answer(port: int, deadline: float) -> int | None:
@@ -168,30 +209,39 @@ def main() -> None:
     res: dict = {"model": args.model, "device": args.device, "command": " ".join(sys.argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     # (no load shedding: the bulk suite queues more work than a CPU finishes in the default 10 s)
-    with pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0) as (opts, gw_port):
+    with contextlib.ExitStack() as stack:
+        opts, gw_port = stack.enter_context(pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0))
         if gw_port is None:
             raise SystemExit("the gateway never answered: nothing to measure (its log is above)")
         url = f"127.0.0.1:{opts.grpc_port}"
         mod, client = grpc_client(url)
         gw = Gateway(gw_port)
+        res["text_tokenized_in_gateway"] = tokenizes_texts(gw_port)
+        ensemble_port = free_port()
+        stack.callback(spawn_gateway(opts, ensemble_port, gateway_tokenize_chars=0).terminate)
+        if _first_answer(ensemble_port, deadline=time.monotonic() + 120) is None:
+            raise SystemExit("the second gateway never answered")
         check = windows.ids(128, 4, seed=1)
         direct, through = infer_tokens(client, mod, check), gw.embed([s.tolist() for s in check])
         res["max_abs_diff_gateway_vs_triton"] = float(np.abs(direct - through).max())
         print(f"gateway vs Triton, same ids: max |diff| {res['max_abs_diff_gateway_vs_triton']:.2e}", flush=True)
 
         ids = [[s] for s in windows.ids(128, 20, seed=128)]
-        res["latency_128_tokens"] = {
-            "triton_grpc": time_latency(lambda x: infer_tokens(client, mod, x), ids, args.latency_n),
-            "gateway": time_latency(lambda x: gw.embed([x[0].tolist()]), ids, args.latency_n)}
-        res["latency_text_query"] = {
-            "triton_grpc": time_latency(lambda x: infer_text(client, mod, x), [[QUERY]], args.latency_n),
-            "gateway": time_latency(lambda x: gw.embed(x[0]), [[QUERY]], args.latency_n)}
+        res["latency_128_tokens"] = time_paired({
+            "triton_grpc": lambda x: infer_tokens(client, mod, x),
+            "gateway": lambda x: gw.embed([x[0].tolist()])}, ids, args.latency_n)
+        via_ensemble = Gateway(ensemble_port)  # the same text through the `embed` ensemble's tokenizer
+        res["latency_text_query"] = time_paired({
+            "triton_grpc": lambda x: infer_text(client, mod, x),
+            "gateway": lambda x: gw.embed(x[0]),
+            "gateway_via_ensemble": lambda x: via_ensemble.embed(x[0])}, [[QUERY]], args.latency_n)
         for suite in ("latency_128_tokens", "latency_text_query"):
             row = res[suite]
-            row["added_p50_ms"] = row["gateway"]["p50"] - row["triton_grpc"]["p50"]
-            print(f"  {suite}: Triton p50 {row['triton_grpc']['p50']:.3f} ms, gateway p50 "
-                  f"{row['gateway']['p50']:.3f} ms (+{row['added_p50_ms']:.3f}), p99 {row['gateway']['p99']:.3f}",
-                  flush=True)
+            for name in [k for k in row if k.startswith("gateway")]:
+                row[f"added_p50_ms_{name}"] = row[name]["p50"] - row["triton_grpc"]["p50"]
+                print(f"  {suite}: Triton p50 {row['triton_grpc']['p50']:.3f} ms, {name} p50 "
+                      f"{row[name]['p50']:.3f} ms ({row[f'added_p50_ms_{name}']:+.3f}), p99 {row[name]['p99']:.3f}",
+                      flush=True)
 
         length = 128 if quick else 512
         requests = 2 if quick else 4

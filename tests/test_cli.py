@@ -36,9 +36,12 @@ def test_serve_command_serves_embed(tmp_path, minilm_folder, reference):
 
 def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, reference):
     """Steady traffic while `pergola add-version` loads version 2 (CLS instead of mean pooling):
-    no request fails, and afterwards answers come from version 2."""
+    no request fails, and afterwards answers come from version 2, over Triton's gRPC and through
+    the gateway (which tokenizes short texts itself and calls the encoder version it read the
+    tokenizer of: a version gone since is answered through the ensemble)."""
     import threading
     import time
+    import urllib.request
 
     from conftest import derived_folder
     from pergola_client import PergolaClient
@@ -52,13 +55,21 @@ def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, refer
     results: list = []
     stop = threading.Event()
 
+    def through_gateway() -> np.ndarray:
+        body = json.dumps({"model": "mini", "input": TEXTS[:2]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{served.gateway}/v1/embeddings", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return np.array([d["embedding"] for d in json.loads(r.read())["data"]], dtype=np.float32)
+
     def traffic() -> None:
         with PergolaClient(f"127.0.0.1:{grpc}") as client:
             while not stop.is_set():
-                try:
-                    results.append(client.embed(TEXTS[:2]))
-                except Exception as e:  # noqa: BLE001 - a failure is what this test looks for
-                    results.append(e)
+                for call in (lambda: client.embed(TEXTS[:2]), through_gateway):
+                    try:
+                        results.append(call())
+                    except Exception as e:  # noqa: BLE001 - a failure is what this test looks for
+                        results.append(e)
                 time.sleep(0.02)
 
     try:
@@ -72,11 +83,14 @@ def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, refer
         thread.join(timeout=60)
         with PergolaClient(f"127.0.0.1:{grpc}") as client:
             after = client.embed(TEXTS[:2])
+        after_gateway = through_gateway()
     finally:
         served.stop()
     failures = [r for r in results if isinstance(r, Exception)]
     assert not failures, failures[:3]
     assert len(results) > 10
     assert cosine_rows(results[0], reference[:2]).min() >= 0.9999  # version 1 before the swap
-    assert cosine_rows(after, expected_v2).min() >= 0.9999  # version 2 after it
-    assert cosine_rows(after, reference[:2]).min() < 0.99
+    assert cosine_rows(results[1], reference[:2]).min() >= 0.9999  # (through the gateway)
+    for answer in (after, after_gateway):
+        assert cosine_rows(answer, expected_v2).min() >= 0.9999  # version 2 after it
+        assert cosine_rows(answer, reference[:2]).min() < 0.99

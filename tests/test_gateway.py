@@ -79,8 +79,17 @@ def call(gw: Gateway, method: str, path: str, body: object = None, key: str | No
 def gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
     # chunks of 3 texts: every multi-text request below is cut and put back together
     metrics_port = server.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    # --triton-repository: requests of up to --gateway-tokenize-chars (4,096) are tokenized in the gateway
     gw = start_gateway(tmp_path_factory.mktemp("gateway"), server.grpc_url, "--api-key", KEY, "--chunk-texts", "3",
-                       "--triton-metrics-port", metrics_port)
+                       "--triton-metrics-port", metrics_port, "--triton-repository", str(server.repo))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def ensemble_gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
+    """A gateway that sends every text through Triton's tokenizer (no repository to read)."""
+    gw = start_gateway(tmp_path_factory.mktemp("ensemble-gateway"), server.grpc_url, "--api-key", KEY)
     yield gw
     gw.stop()
 
@@ -165,6 +174,89 @@ def test_openai_embedding_types_match_tritons_codes(gateway, direct, embedding_t
 def test_openai_models_lists_every_served_model(openai_client):
     listed = {m.id for m in openai_client.models.list().data}
     assert {"embed", "minilm", "rerank", "ce"} <= listed
+
+
+# --- texts tokenized in the gateway -------------------------------------------------------------
+
+# Requests under --gateway-tokenize-chars: answered alike by a gateway that tokenizes them itself
+# and one that sends them through the embed ensemble (status, vectors, usage, refusals)
+SHORT_REQUESTS = {
+    "texts": ("/v1/embeddings", {"input": TEXTS}),
+    "one string, dimensions, not normalized": ("/v1/embeddings", {"input": TEXTS[3], "dimensions": 64,
+                                                                  "normalize": False}),
+    "start, max_tokens": ("/v1/embeddings", {"input": [TEXTS[1], TEXTS[8]], "truncate": "START", "max_tokens": 12}),
+    "int8": ("/v1/embeddings", {"input": TEXTS[:5], "embedding_type": "int8"}),
+    "ubinary base64": ("/v1/embeddings", {"input": TEXTS[:5], "embedding_type": "ubinary",
+                                          "encoding_format": "base64"}),
+    "float16": ("/v1/embeddings", {"input": TEXTS[:5], "embedding_type": "float16"}),
+    "tei embed": ("/embed", {"inputs": TEXTS[:4], "normalize": False}),
+    "too long": ("/v1/embeddings", {"input": ["a", TEXTS[1]], "truncate": "NONE"}),
+    "too long, tei": ("/embed", {"inputs": ["a", TEXTS[1]], "truncate": False}),
+    "unknown prompt": ("/v1/embeddings", {"input": "x", "prompt_name": "query"}),
+    "too many dimensions": ("/v1/embeddings", {"input": "x", "dimensions": 100_000}),
+    "max_tokens leaves no room": ("/v1/embeddings", {"input": "x", "max_tokens": 1}),
+}
+
+
+def tokenized_texts(gw: Gateway) -> dict[str, float]:
+    """The gateway's pergola_gateway_embedded_texts_total by where the texts were tokenized."""
+    with urllib.request.urlopen(gw.url + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    found = {}
+    for line in lines:
+        if line.startswith("pergola_gateway_embedded_texts_total{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels.split('tokenized="')[1].split('"')[0]] = float(value)
+    return found
+
+
+def tokenizer_loaded(gw: Gateway) -> None:
+    """Waits until `gw` tokenizes minilm's texts itself (it loads the tokenizer on first use)."""
+    for _ in range(100):
+        before = tokenized_texts(gw).get("gateway", 0.0)
+        status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": "warm up"})
+        assert status == 200, out
+        if tokenized_texts(gw).get("gateway", 0.0) > before:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{gw.url} never tokenized a text itself")
+
+
+@pytest.mark.parametrize("case", list(SHORT_REQUESTS))
+def test_texts_tokenized_in_the_gateway_equal_the_ensembles(gateway, ensemble_gateway, case):
+    path, body = SHORT_REQUESTS[case]
+    tokenizer_loaded(gateway)
+    before = tokenized_texts(gateway)["gateway"]
+    status, here, _ = call(gateway, "POST", path, body | {"model": "minilm"})
+    status_e, there, _ = call(ensemble_gateway, "POST", path, body | {"model": "minilm"})
+    assert status == status_e, (here, there)
+    assert tokenized_texts(gateway)["gateway"] > before or status != 200
+    if status != 200:
+        said = here["error"] if isinstance(here["error"], str) else here["error"]["message"]
+        said_e = there["error"] if isinstance(there["error"], str) else there["error"]["message"]
+        assert said.split(": ")[-1] == said_e.split(": ")[-1] or said in said_e, (said, said_e)
+        return
+    if path == "/embed":
+        here, there = {"data": [{"embedding": v} for v in here]}, {"data": [{"embedding": v} for v in there]}
+    else:
+        assert here["usage"] == there["usage"]
+    decode = (lambda e: np.frombuffer(base64.b64decode(e), dtype=np.uint8)) if "base64" in case else np.asarray
+    a = np.stack([decode(d["embedding"]) for d in here["data"]]).astype(np.float64)
+    b = np.stack([decode(d["embedding"]) for d in there["data"]]).astype(np.float64)
+    exact = body.get("embedding_type", "float") not in ("float", "float16")
+    np.testing.assert_allclose(a, b, rtol=0, atol=0 if exact else 1e-6 if TEST_DEVICE == "cpu" else 2e-3)
+
+
+def test_only_short_requests_are_tokenized_in_the_gateway(gateway, ensemble_gateway):
+    tokenizer_loaded(gateway)
+    before, before_e = tokenized_texts(gateway), tokenized_texts(ensemble_gateway)
+    call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS[:3]})
+    call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS * 2})  # 5,070 characters
+    call(ensemble_gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS[:3]})
+    after, after_e = tokenized_texts(gateway), tokenized_texts(ensemble_gateway)
+    assert after["gateway"] - before["gateway"] == 3
+    assert after["triton"] - before.get("triton", 0.0) == 2 * len(TEXTS)
+    assert after_e["triton"] - before_e.get("triton", 0.0) == 3 and after_e.get("gateway", 0.0) == 0
 
 
 # --- truncation, token limits, instructions ----------------------------------------------------

@@ -30,6 +30,9 @@ def test_chunks_cover_every_item_once_in_order(sizes, max_items, max_size, expec
     ("StatusCode.INVALID_ARGUMENT", "TEXT[0] is an empty string", 400),
     ("StatusCode.INVALID_ARGUMENT", "TEXT[0] is 9 characters; the limit is 5 characters (max_text_chars)", 413),
     ("StatusCode.INVALID_ARGUMENT", "Request for unknown model: 'x' is not found", 404),
+    # a version swapped out (not a replica that is down: no other replica is tried for it)
+    ("StatusCode.UNAVAILABLE", "Request for unknown model: 'x_encoder' version 1 is not at ready state", 404),
+    ("StatusCode.INVALID_ARGUMENT", "unknown prompt name 'unknown model'; this model's prompts: none", 400),
     ("StatusCode.UNAVAILABLE", "this request would wait behind 9 queued tokens, about 11 s", 429),
     ("StatusCode.UNAVAILABLE", "Exceeds maximum queue size", 429),
     ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", 503),

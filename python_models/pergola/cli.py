@@ -24,7 +24,7 @@ from pergola.tokenization import TRUNCATE_MODES
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 # Gateway options `pergola serve` sets itself: its own Triton server, admin token file and metrics port.
-SERVE_SETS = ("triton", "triton_admin_token_file", "triton_metrics_port")
+SERVE_SETS = ("triton", "triton_admin_token_file", "triton_metrics_port", "triton_repository")
 
 
 def default_model_folder() -> Path:
@@ -194,7 +194,8 @@ def start_gateway(args: argparse.Namespace, server: "ServerOptions", token_file:
         return None
     values = values_from(args, GatewayOptions) | {"triton": f"{server.local_host}:{server.grpc_port}",
                                                    "triton_admin_token_file": str(token_file),
-                                                   "triton_metrics_port": server.metrics_port}
+                                                   "triton_metrics_port": server.metrics_port,
+                                                   "triton_repository": str(server.repo)}
     opts = GatewayOptions(**values)
     print(f"gateway: http://{opts.gateway_bind}:{opts.gateway_port} (OpenAI /v1/embeddings, Cohere/Jina "
           f"/v1/rerank, TEI /embed /rerank /info /health)", flush=True)

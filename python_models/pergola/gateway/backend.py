@@ -22,7 +22,11 @@ from pergola.admin import GRPC_API_KEY_HEADER
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.replicas import ReplicaPool
+from pergola.errors import RequestError
+from pergola.gateway.metrics import TEXTS
+from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
+from pergola.tokenization import TextTokenizer
 
 # Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
 OUTPUTS = {
@@ -115,15 +119,18 @@ class TooLong(GatewayError):
 T = TypeVar("T")
 
 
+def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
+    """A tokenizer's refusal as TooLong when it is one (naming input `start` + its index), else itself."""
+    found = _TOO_LONG.search(error.message)
+    return error if found is None else TooLong(start + int(found[1]), int(found[2]), error.message)
+
+
 async def _numbered(start: int, call: Awaitable[T]) -> T:
     """A chunk's call; a too-long refusal names the request's input, not the chunk's."""
     try:
         return await call
     except GatewayError as e:
-        found = _TOO_LONG.search(e.message)
-        if found is None:
-            raise
-        raise TooLong(start + int(found[1]), int(found[2]), e.message) from None
+        raise _too_long(e, start) from None
 
 
 def chunks(sizes: Sequence[int], max_items: int, max_size: int) -> list[tuple[int, int]]:
@@ -151,14 +158,20 @@ def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
     inputs = []
     if opts.prompt_name is not None:
         inputs.append(_tensor("PROMPT_NAME", np.array([opts.prompt_name.encode()], dtype=object), "BYTES"))
-    if opts.dimensions is not None:
-        inputs.append(_tensor("DIMENSIONS", np.array([opts.dimensions], dtype=np.int32).reshape(shape), "INT32"))
-    if opts.normalize is not None:
-        inputs.append(_tensor("NORMALIZE", np.array([opts.normalize], dtype=bool).reshape(shape), "BOOL"))
     if opts.truncate is not None:
         inputs.append(_tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
     if opts.max_tokens is not None:
         inputs.append(_tensor("MAX_TOKENS", np.array([opts.max_tokens], dtype=np.int32), "INT32"))
+    return inputs + _encoder_options(opts, shape)
+
+
+def _encoder_options(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
+    """The embed options that reach the encoder (the tokenizer applies the others)."""
+    inputs = []
+    if opts.dimensions is not None:
+        inputs.append(_tensor("DIMENSIONS", np.array([opts.dimensions], dtype=np.int32).reshape(shape), "INT32"))
+    if opts.normalize is not None:
+        inputs.append(_tensor("NORMALIZE", np.array([opts.normalize], dtype=bool).reshape(shape), "BOOL"))
     if opts.encoding != "float32":  # (left out otherwise: the plain request of older servers)
         inputs.append(_tensor("ENCODING", np.array([opts.encoding.encode()], dtype=object).reshape(shape), "BYTES"))
     return inputs
@@ -166,26 +179,60 @@ def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
 
 class Backend:
     def __init__(self, pool: ReplicaPool, chunk_texts: int, chunk_chars: int, timeout_s: float,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, tokenizers: LocalTokenizers | None = None) -> None:
         self.pool = pool
+        self.tokenizers = tokenizers or LocalTokenizers(None, 0)
         self.chunk_texts, self.chunk_chars = chunk_texts, chunk_chars
         self.timeout_s = timeout_s
         # Triton's inference is behind the first key when `pergola serve --api-key` started it
         self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
 
-    async def _infer(self, model: str, inputs: list[InferInput], outputs: list[str]):
+    async def _infer(self, model: str, inputs: list[InferInput], outputs: list[str], version: str = ""):
         """One Triton call on the least busy replica (another one if it is busy or gone)."""
         requested = [InferRequestedOutput(name) for name in outputs]
 
         async def call(client: grpcaio.InferenceServerClient):
             # Triton is told the deadline too (µs): the encoder drops work nobody waits for.
             with triton_call(model, self.headers) as headers:  # (gateway/tracing.py)
-                return await client.infer(model, inputs, outputs=requested, client_timeout=self.timeout_s,
-                                          timeout=int(self.timeout_s * 1e6), headers=headers)
+                return await client.infer(model, inputs, model_version=version, outputs=requested,
+                                          client_timeout=self.timeout_s, timeout=int(self.timeout_s * 1e6),
+                                          headers=headers)
 
         return await self.pool.call(call)
 
     async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
+        """Embeddings of `texts`: tokenized here when short (gateway/tokenizers.py), else through
+        the embed ensemble in chunks."""
+        tokenizer = self.tokenizers.for_request(model, texts)
+        if tokenizer is not None:
+            try:
+                embedded = await self._embed_here(model, tokenizer, texts, opts)
+                TEXTS.labels("gateway").inc(len(texts))
+                return embedded
+            except GatewayError as e:
+                if e.status != 404:  # (404: that version is gone, swapped by `pergola add-version`)
+                    raise
+                self.tokenizers.stale(model)
+        TEXTS.labels("triton").inc(len(texts))
+        return await self._embed_ensemble(model, texts, opts)
+
+    async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
+                          opts: EmbedOptions) -> Embedded:
+        """`texts` tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
+        output, dtype = OUTPUTS[opts.encoding]
+        try:
+            enc = tokenizer.encode(texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens,
+                                   truncate=opts.truncate if opts.truncate is not None else model.limit("truncate"))
+        except RequestError as e:
+            raise _too_long(GatewayError(413 if "the limit is" in str(e) else 400, str(e))) from None
+        inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32")]
+        if enc.prompt_lengths.any():
+            inputs.append(_tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :], "INT32"))
+        inputs += _encoder_options(opts, [1, 1])
+        result = await self._infer(f"{model.target}_encoder", inputs, [output], version=model.version or "")
+        return Embedded(result.as_numpy(output).view(dtype), enc.lengths)
+
+    async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
         output, dtype = OUTPUTS[opts.encoding]
 
         async def one(start: int, end: int) -> Embedded:

@@ -36,6 +36,7 @@ class ServedModel:
     settings: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields from config.pbtxt
     labels: list[str] = field(default_factory=list)  # a classifier's label names (config.pbtxt `labels`)
     outputs: tuple[str, ...] = ("dense",)  # an embedder's OUTPUTS: bge-m3's sparse / colbert where declared
+    version: str | None = None  # the encoder's served version (the newest ready one), None if unknown
 
     def limit(self, name: str) -> Any:
         """An EngineConfig limit as this model's server has it (its default if not written)."""
@@ -84,7 +85,18 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
     declared = {o["name"] for o in config.get("output", [])}
     outputs = ("dense", *(o for o, tensor in (("sparse", "SPARSE_INDICES"), ("colbert", "TOKEN_EMBEDDINGS"))
                           if tensor in declared))
-    return ServedModel(name, target, task, _settings(parameters), labels, outputs)
+    return ServedModel(name, target, task, _settings(parameters), labels, outputs,
+                       await served_version(client, f"{target}_encoder"))
+
+
+async def served_version(client: grpcaio.InferenceServerClient, model: str) -> str | None:
+    """The newest ready version of `model` (Triton serves one: version_policy latest 1)."""
+    try:
+        metadata = await client.get_model_metadata(model, as_json=True, client_timeout=CONTROL_TIMEOUT_S)
+    except InferenceServerException:
+        return None
+    versions = [v for v in metadata.get("versions", []) if str(v).isdigit()]
+    return max(versions, key=int) if versions else None
 
 
 async def discover(client: grpcaio.InferenceServerClient, admin_token: str | None,

@@ -53,9 +53,11 @@ _OVERLOAD_MARKS = ("queued tokens", "Exceeds maximum queue size", "max_queue_sec
 def from_triton(status: str, message: str) -> GatewayError:
     """A Triton error (gRPC status name, message) as the gateway's error."""
     code = status.rsplit(".", 1)[-1]
+    # (an unloaded model, or a version of it no longer served, comes as INVALID_ARGUMENT or as
+    # UNAVAILABLE "... version N is not at ready state": not a replica that is down)
+    if "Request for unknown model" in message or code == "INVALID_ARGUMENT" and "is not found" in message:
+        return GatewayError(404, message)
     if code == "INVALID_ARGUMENT":
-        if "unknown model" in message or "is not found" in message:
-            return GatewayError(404, message)
         return GatewayError(413 if "the limit is" in message else 400, message)
     if code == "NOT_FOUND":
         return GatewayError(404, message)

@@ -25,6 +25,15 @@ class GatewayOptions:
     triton_admin_token_file: str | None = option(None, "admin token file of the Triton server(s): lets the "
                                                        "gateway list every served model (without it: `embed`, "
                                                        "`rerank` and --models)", metavar="FILE")
+    triton_repository: str | None = option(None, "the model repository the Triton server loads, when the gateway "
+                                                 "can read it (`pergola serve` sets it): short texts are then "
+                                                 "tokenized in the gateway with the served version's files and "
+                                                 "sent to NAME_encoder directly, one Triton hop fewer",
+                                           metavar="FOLDER")
+    gateway_tokenize_chars: int = option(4_096, "an embedding request of at most this many characters in all "
+                                                "is tokenized in the gateway (with --triton-repository); a "
+                                                "larger one goes through Triton's tokenizer instances in chunks; "
+                                                "0: always through Triton")
     triton_metrics_port: int = option(8002, "Triton's metrics port on each --triton host: GET /metrics/triton "
                                             "passes its text through, labelled by replica")
     models: str | None = option(None, "served model names to look for when the repository index is closed "

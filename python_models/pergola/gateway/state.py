@@ -13,6 +13,7 @@ from pergola.gateway.catalog import ServedModel, discover
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.replicas import ReplicaPool
+from pergola.gateway.tokenizers import LocalTokenizers
 
 log = logging.getLogger("pergola.gateway")
 DEFAULT_MODELS = {"embed": "embed", "rerank": "rerank", "classify": "classify"}  # task -> served name when a request names none
@@ -37,7 +38,8 @@ class Gateway:
         self.pool = ReplicaPool([t.strip() for t in opts.triton.split(",") if t.strip()])
         keys = api_keys(opts)
         self.backend = Backend(self.pool, opts.chunk_texts, opts.chunk_chars, opts.request_timeout_s,
-                               keys[0] if keys else None)
+                               keys[0] if keys else None,
+                               LocalTokenizers(opts.triton_repository, opts.gateway_tokenize_chars))
         self.started = int(time.time())
         self._models: dict[str, ServedModel] = {}
         self._looked_at = float("-inf")
