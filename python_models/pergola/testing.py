@@ -524,16 +524,18 @@ def xlm_roberta_config(shape: str, vocab_size: int, num_labels: int | None = Non
 
 def make_xlm_roberta_folder(out_dir: str | Path, shape: str = "tiny", pooling: str = "cls", seed: int = 0,
                             dtype: str = "float32", dense: list[Any] | None = None,
-                            model_type: str = "xlm-roberta") -> Path:
+                            model_type: str = "xlm-roberta", max_seq_length: int | None = None) -> Path:
     """An XLM-RoBERTa embedder folder (bge-m3 layout: XLMRobertaModel weights, CLS pooling +
     Normalize; `pooling="mean"` is multilingual-e5's) with seeded random weights and a trained
     Unigram tokenizer. `dense`: sentence-transformers Dense modules placed after pooling;
-    `model_type="roberta"`: the same as a RobertaModel folder."""
+    `model_type="roberta"`: the same as a RobertaModel folder. `max_seq_length`: the folder's
+    limit (the tokenizer's model_max_length, sentence-transformers' max_seq_length); default 512 or
+    the position table's, whichever is less (bge-m3 publishes 8192)."""
     from transformers import RobertaModel, XLMRobertaModel
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    max_len = min(512, XLMR_SHAPES[shape]["max_position_embeddings"] - 2)
+    max_len = max_seq_length or min(512, XLMR_SHAPES[shape]["max_position_embeddings"] - 2)
     vocab_size = save_xlm_roberta_tokenizer(out, max_len)
     torch.manual_seed(seed)
     model_class = XLMRobertaModel if model_type == "xlm-roberta" else RobertaModel
@@ -543,11 +545,12 @@ def make_xlm_roberta_folder(out_dir: str | Path, shape: str = "tiny", pooling: s
     return out
 
 
-def make_bge_m3_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+def make_bge_m3_folder(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32",
+                       max_seq_length: int | None = None) -> Path:
     """bge-m3's layout: an XLM-RoBERTa embedder (CLS + Normalize) with FlagEmbedding's
     `sparse_linear.pt` (Linear(hidden, 1)) and `colbert_linear.pt` (Linear(hidden, hidden)) state
-    dicts beside it, all with seeded random weights."""
-    out = make_xlm_roberta_folder(out_dir, shape, pooling="cls", seed=seed, dtype=dtype)
+    dicts beside it, all with seeded random weights. `max_seq_length` as make_xlm_roberta_folder's."""
+    out = make_xlm_roberta_folder(out_dir, shape, pooling="cls", seed=seed, dtype=dtype, max_seq_length=max_seq_length)
     hidden = XLMR_SHAPES[shape]["hidden_size"]
     gen = torch.Generator().manual_seed(seed + 1000)
     for name, width in (("sparse_linear.pt", 1), ("colbert_linear.pt", hidden)):
