@@ -2,6 +2,14 @@
 
     python perf/bench_server.py --model qwen3-0.6b --suites latency throughput concurrency \
         --out perf/out/server.json
+    python perf/bench_server.py --model bge-m3-tiny --device cpu --out perf/out/server_cpu.json  # dry run
+
+Models: the seeded Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B shapes, all-MiniLM-L6-v2's real
+weights, and the architectures of perf/common.py's ARCH_MODELS in their published shapes (seeded,
+BF16): bge-m3 (XLM-RoBERTa large, CLS; its sparse and ColBERT heads are in the folder, but the
+suites leave OUTPUTS at its default, dense only, as vLLM's embed task computes) and gte-modernbert (gte-modernbert-base, ModernBERT with a 128-token
+local window in two layers of three). Each NAME has a NAME-tiny twin in the CI shape for --device cpu.
+Lengths per model are common.py's LAT_LENGTHS and TPUT_LENGTHS; below, the 8,192-token models'.
 
 Starts pergola's tritonserver on free ports with the model as `embed`, checks its outputs
 against Hugging Face transformers on the same weights, then runs:
@@ -38,7 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput, write_result,
+    EMBED_MODELS, LAT_LENGTHS, LONG_LAT, LONG_TPUT, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles,
+    time_latency, time_throughput, write_result,
 )
 from inputs import TokenWindows  # noqa: E402
 
@@ -252,10 +261,10 @@ def engine_options(pairs: list[str], folder: Path) -> dict[str, object]:
     return {name: getattr(cfg, name) for name in params}
 
 
-def main() -> None:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line (a function, so that tests parse it without running anything)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b",
-                   choices=["qwen3-0.6b", "minilm", "qwen3-tiny", "qwen3-reranker-0.6b", "qwen3-reranker-tiny"])
+    p.add_argument("--model", default="qwen3-0.6b", choices=[*EMBED_MODELS, "qwen3-reranker-0.6b", "qwen3-reranker-tiny"])
     p.add_argument("--suites", nargs="+", default=["latency", "throughput", "concurrency", "perf_analyzer"])
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--latency-n", type=int, default=100)
@@ -266,7 +275,11 @@ def main() -> None:
                    help="an encoder option (EngineConfig field) for this run, e.g. quantization=fp8")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/server.json")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = arg_parser().parse_args()
     import common
 
     common.DEVICE = "cuda" if args.device == "gpu" else "cpu"
@@ -276,8 +289,9 @@ def main() -> None:
     spec = load_model_spec(folder)
     windows = TokenWindows(spec.tokenizer_file)
     quick = args.device == "cpu"
-    lat_lengths = [128] if quick else ([128, 512, 4096] if args.model.startswith("qwen3") else [128, 256])
-    tput_lengths = [128] if quick else ([512, 1024, 4096] if args.model.startswith("qwen3") else [128, 256])
+    # Rerankers run the scoring suite only: their lengths serve perf_analyzer alone.
+    lat_lengths = [128] if quick else LAT_LENGTHS.get(args.model, LONG_LAT)
+    tput_lengths = [128] if quick else TPUT_LENGTHS.get(args.model, LONG_TPUT)
     conc_length = 128 if quick or args.model == "minilm" else 512
 
     rerank = args.model.startswith("qwen3-reranker")

@@ -3,6 +3,8 @@
     python perf/bench_vllm.py --out perf/out/vllm.json                 # all suites, about 5-8 min on an H200
     python perf/bench_vllm.py --suites inproc scoring --skip-server    # in-process only
     python perf/bench_vllm.py --models minilm --suites inproc server --out perf/out/vllm_minilm.json
+    python perf/bench_vllm.py --models bge-m3 --suites inproc server --out perf/out/vllm_bge_m3.json
+    python perf/bench_vllm.py --models bge-m3 gte-modernbert --suites inproc server --dry-run  # CPU, tiny twins
     python perf/bench_vllm.py --dry-run --out perf/out/vllm_dry.json   # CPU, tiny models, vLLM not imported
 
 vLLM comes from the offline bundle (scripts/vllm_bundle.py, then scripts/vllm_setup.sh on the GPU host,
@@ -17,6 +19,22 @@ modules.json (mean, then normalize) and max_model_len 256 (its max_seq_length, v
 Inputs: perf/inputs.py's TokenWindows with the seeds, lengths and counts of perf/bench_engine.py (in-process)
 and perf/bench_server.py (server); MiniLM's lengths are theirs too: latency 128/256, throughput 128/256,
 check 8 x 256, concurrency at 128 tokens.
+With --models bge-m3 or gte-modernbert (perf/common.py's ARCH_MODELS): seeded folders in BAAI/bge-m3's and
+Alibaba-NLP/gte-modernbert-base's published shapes (seed 0, bf16, max_seq_length 8192 as published), run
+at Qwen3's lengths with max_model_len 8192; a dry run builds their tiny twins (bge-m3-tiny, 512 tokens).
+How vLLM 0.22.0 loads them (its wheel's vllm/model_executor/models/registry.py, roberta.py, modernbert.py):
+  bge-m3          config.json's XLMRobertaModel -> RobertaEmbeddingModel (BertModel with RoBERTa's
+                  offset positions), pooling from modules.json (CLS, normalize). vLLM's BGE-M3 class,
+                  BgeM3EmbeddingModel (hf_overrides architectures), only adds the sparse_linear.pt and
+                  colbert_linear.pt heads for its token_classify / token_embed tasks; the embed task's
+                  pooler is the same, so the dense timing loads the folder as published.
+  gte-modernbert  ModernBertModel, in vLLM's embedding table; the bare model is wrapped as an embedding
+                  model (convert "embed"), pooling from modules.json (CLS, normalize). Its local layers
+                  pass local_attention // 2 = 64 as the sliding window, which FlashAttention (and
+                  FlexAttention) take as |i - j| <= 63, one key fewer each side than transformers'
+                  |i - j| <= 64 that pergola follows: on these seeded weights that alone gives per-text
+                  cosines of 0.9996-0.9998 in fp32 (8 x 512 and 128/512/4096 tokens), under BF16's error.
+A model that vLLM's registry lacks is recorded as {"unsupported": reason} and not run (not a failure).
 vLLM runs as the seed article ran it: BF16, prefix caching OFF (with it on, repeated benchmark prompts
 come from its cache), max_num_batched_tokens 16384, its default CUDA graphs and torch.compile.
 
@@ -32,14 +50,16 @@ Suites, each in its own process (a crash or leaked GPU memory cannot touch the n
              "yes"/"no" rows): pre-tokenized batches of 5/25/50 pairs of 512 tokens, sequential, via
              llm.classify in-process and POST /classify (token-id lists) on the server
   inproc_minilm, server_minilm   inproc and server for all-MiniLM-L6-v2 (--models minilm), after scoring
+  inproc_bge-m3, server_bge-m3, inproc_gte-modernbert, server_gte-modernbert   the same for ARCH_MODELS
 Correctness before timing: min cosine >= 0.999 (embeddings; cosine, so vLLM's normalized and HF's outputs
 compare alike either way) or max |diff| <= 1e-2 (scores) against the reference; a suite that fails records
 the value and is not timed. --out is rewritten after every suite.
 Layout as bench_server.py's, with "vllm" where it has "pergola": suites.server.latency["512"].vllm.p50.
 Qwen3's suites keep their plain keys (suites.inproc, suites.server, models.embed); MiniLM's carry a suffix:
 suites.inproc_minilm, suites.server_minilm (suites.server_minilm.latency["256"].vllm.p50), models.embed_minilm,
-plan_minilm, and the reference suite's embed_check_minilm. The top-level engine_args are Qwen3's and scoring's;
-each embedding suite records its own (MiniLM's: max_model_len 256).
+plan_minilm, and the reference suite's embed_check_minilm (bge-m3's: suites.inproc_bge-m3, models.embed_bge-m3,
+...). The top-level engine_args are Qwen3's and scoring's; each embedding suite records its own (MiniLM's:
+max_model_len 256), and inproc what vLLM loaded (vllm_loaded_as: architecture, convert_type, pooler_config).
 """
 
 from __future__ import annotations
@@ -68,7 +88,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles, time_latency, time_throughput)
+    ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, dry_twin, model_folder, percentiles, time_latency,
+    time_throughput)
 from bench_server import HFReranker, run_client_processes  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
@@ -89,8 +110,9 @@ TIMEOUT_S = {"reference": 240, "inproc": 240, "server": 360, "scoring_inproc": 1
              "mixed": 420}
 # Plan fields of the embedding models other than Qwen3 (whose are Plan's defaults): MiniLM as
 # bench_server.py runs it (concurrency texts of 128 tokens) and the longest input vLLM may take for it,
-# sentence_bert_config.json's max_seq_length, which vLLM also takes as the model's limit.
-OTHER_MODELS = {"minilm": {"conc_length": 128, "max_model_len": 256}}
+# sentence_bert_config.json's max_seq_length, which vLLM also takes as the model's limit. common.py's
+# ARCH_MODELS (bge-m3, gte-modernbert) publish 8,192 tokens: Plan's defaults are theirs.
+OTHER_MODELS = {"minilm": {"conc_length": 128, "max_model_len": 256}} | {m: {} for m in ARCH_MODELS}
 # --models: the embedding models of the inproc and server suites. The first is the default; its suites,
 # reference outputs and JSON entries keep their plain names, the others' carry "_" + the model's name.
 MODELS = ("qwen3-0.6b", *OTHER_MODELS)
@@ -144,13 +166,15 @@ class Plan:
     def for_model(self, model: str, dry: bool) -> Plan:
         """This plan (Qwen3's) with `model`'s embedding model and lengths: common.py's LAT_LENGTHS and
         TPUT_LENGTHS (the first of each in a dry run, as bench_engine.py --device cpu), bench_server.py's
-        check length (min(512, longest throughput length)) and concurrency length."""
+        check length (min(512, longest throughput length)) and concurrency length. A dry run builds an
+        architecture's tiny twin (common.dry_twin) at its lengths, with the dry plan's max_model_len."""
         if model == MODELS[0]:
             return self
-        lat, tput = tuple(LAT_LENGTHS[model]), tuple(TPUT_LENGTHS[model])
+        name = dry_twin(model) if dry else model
+        lat, tput = tuple(LAT_LENGTHS[name]), tuple(TPUT_LENGTHS[name])
         if dry:
             lat, tput = lat[:1], tput[:1]
-        return replace(self, embed_model=model, lat_lengths=lat, tput_lengths=tput,
+        return replace(self, embed_model=name, lat_lengths=lat, tput_lengths=tput,
                        check_length=min(512, max(tput)), **OTHER_MODELS[model])
 
 
@@ -199,6 +223,29 @@ class Run:
 
 class CheckFailed(RuntimeError):
     """vLLM's outputs disagree with the reference: the suite is not timed."""
+
+
+class Unsupported(RuntimeError):
+    """This vLLM cannot load the model: the reason is the suite's result, not a failure of the script."""
+
+
+def require_support(folder: str) -> None:
+    """Unsupported unless one of the folder's config.json architectures is in vLLM's model registry
+    (vLLM would refuse the folder at start-up; the JSON gets the reason instead of a traceback)."""
+    import vllm
+    from vllm import ModelRegistry
+
+    archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    if not set(archs) & set(ModelRegistry.get_supported_archs()):
+        raise Unsupported(f"vLLM {vllm.__version__} has none of {archs} in its model registry")
+
+
+def loaded_as(llm: Any) -> dict[str, Any]:
+    """What vLLM made of the folder: the architecture it resolved, whether it wrapped a bare model as
+    an embedding model (convert_type "embed"), and the pooling of the folder's modules.json."""
+    config = llm.llm_engine.model_config
+    return {"architecture": getattr(config, "architecture", None), "convert_type": getattr(config, "convert_type", None),
+            "pooler_config": repr(getattr(config, "pooler_config", None))}
 
 
 def say(name: str, msg: str) -> None:
@@ -482,10 +529,11 @@ def suite_inproc(run: Run, res: dict) -> None:
     if run.dry_run:  # the same code path with HF transformers standing in for vLLM
         embed = HFBaseline(Path(run.embed_folder), spec.pooling, spec.normalize, device="cpu")
     else:
+        require_support(run.embed_folder)
         llm = make_llm(run.embed_folder, run)
         embed = llm_embedder(llm)
-        # What vLLM made of the folder's sentence-transformers modules.json (pooling, normalization).
-        res["vllm_pooler_config"] = repr(getattr(getattr(llm.llm_engine, "model_config", None), "pooler_config", None))
+        res["vllm_loaded_as"] = loaded_as(llm)
+        res["vllm_pooler_config"] = res["vllm_loaded_as"]["pooler_config"]  # the key earlier runs wrote
     res["load_s"] = time.perf_counter() - t0
     say(name, f"engine ready in {res['load_s']:.1f} s")
     res["min_cosine_vs_hf"] = cosine_min(embed(embed_check_inputs(windows, plan)), ref)
@@ -516,6 +564,7 @@ def suite_server(run: Run, res: dict) -> None:
         res["inputs"] = {"check_sequences": len(embed_check_inputs(windows, plan)),
                          "texts": len(windows.texts(plan.conc_length, 64, seed=3))}
         return
+    require_support(run.embed_folder)
     with VllmServer(run.embed_folder, run, Path(run.workdir) / f"vllm_{name}_embed.log") as server:
         res["server_ready_s"] = server.ready_s
         res["server_command"] = " ".join(server.cmd)
@@ -648,6 +697,9 @@ def child_main(name: str, workdir: str) -> int:
     except CheckFailed as e:
         res["error"] = f"check failed: {e}"
         code = 1
+    except Unsupported as e:
+        res["unsupported"] = str(e)
+        say(name, f"not run: {e}")
     except Exception as e:  # noqa: BLE001 - recorded; the parent goes on with the next suite
         res["error"] = f"{type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc()[-4000:]
@@ -747,7 +799,8 @@ def write_json(path: Path, results: dict) -> None:
     tmp.replace(path)
 
 
-def main() -> None:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line (a function, so that tests parse it without running anything)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suites", nargs="+", default=["inproc", "server", "scoring"],
                    choices=["inproc", "server", "scoring", "mixed"])
@@ -767,7 +820,11 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, HF in place of vLLM, no server")
     p.add_argument("--verbose", action="store_true", help="echo every line of the suites' logs (vLLM's too)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = arg_parser().parse_args()
     if args.child:
         sys.exit(child_main(args.child, args.workdir))
 
@@ -837,8 +894,11 @@ def main() -> None:
               f"wrote {out}", flush=True)
     write_json(out, results)
     failed = [n for n, r in results["suites"].items() if "error" in r]
-    print(f"bench_vllm: finished; {len(names) - len(failed)} of {len(names)} suites ok"
-          + (f", failed: {' '.join(failed)}" if failed else "") + f"; results in {out}", flush=True)
+    unsupported = [n for n, r in results["suites"].items() if "unsupported" in r]
+    print(f"bench_vllm: finished; {len(names) - len(failed) - len(unsupported)} of {len(names)} suites ok"
+          + (f", failed: {' '.join(failed)}" if failed else "")
+          + (f", unsupported by vLLM: {' '.join(unsupported)}" if unsupported else "") + f"; results in {out}",
+          flush=True)
 
 
 if __name__ == "__main__":

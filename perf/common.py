@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +29,49 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-# Batch-1 latency lengths and throughput lengths (100 texts per call) per model, in tokens.
-LAT_LENGTHS = {"qwen3-0.6b": [128, 512, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
-TPUT_LENGTHS = {"qwen3-0.6b": [512, 1024, 4096], "minilm": [128, 256], "qwen3-tiny": [128]}
 QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny",
                 "qwen3-reranker-0.6b": "qwen3-0.6b", "qwen3-reranker-tiny": "tiny"}
+
+
+@dataclass(frozen=True)
+class ArchModel:
+    """An encoder of another architecture as the benchmarks build it: a pergola.testing maker's
+    seeded folder (seed 0, BF16 as the Qwen3 folders) in the model's published shape. Its CPU
+    twin, NAME-tiny, is the same maker in the "tiny" shape with the maker's own limits."""
+
+    maker: str  # a pergola.testing function taking (out, shape=, seed=, dtype=, max_seq_length=)
+    shape: str  # the published shape's key in that module's shape table
+    max_seq_length: int  # the published limit: the folder's, so pergola's max_seq_length and vLLM's max_model_len
+
+
+# The architectures timed against vLLM besides Qwen3 and MiniLM, each declared once; both publish
+# 8,192-token limits, so both run Qwen3's lengths.
+ARCH_MODELS = {
+    "bge-m3": ArchModel("make_bge_m3_folder", "bge-m3", 8192),  # BAAI/bge-m3: XLM-R large, CLS
+    "gte-modernbert": ArchModel("make_modernbert_folder", "gte-modernbert-base", 8192),  # ModernBERT-base, CLS
+}
+TINY = "-tiny"
+
+
+def arch_model(name: str) -> tuple[ArchModel, bool] | None:
+    """("bge-m3-tiny") -> (ARCH_MODELS["bge-m3"], True): the declaration and whether it is the twin."""
+    base = name.removesuffix(TINY)
+    return (ARCH_MODELS[base], base != name) if base in ARCH_MODELS else None
+
+
+def dry_twin(name: str) -> str:
+    """The model a CPU dry run builds in place of `name`: an architecture's tiny twin, else itself."""
+    return name + TINY if name in ARCH_MODELS else name
+
+
+# Batch-1 latency lengths and throughput lengths (100 texts per call) per model, in tokens: the
+# 8,192-token models all run Qwen3's, the tiny shapes one short length.
+LONG_LAT, LONG_TPUT = [128, 512, 4096], [512, 1024, 4096]
+LAT_LENGTHS = {"qwen3-0.6b": LONG_LAT, "minilm": [128, 256], "qwen3-tiny": [128]} \
+    | {m: LONG_LAT for m in ARCH_MODELS} | {m + TINY: [128] for m in ARCH_MODELS}
+TPUT_LENGTHS = {"qwen3-0.6b": LONG_TPUT, "minilm": [128, 256], "qwen3-tiny": [128]} \
+    | {m: LONG_TPUT for m in ARCH_MODELS} | {m + TINY: [128] for m in ARCH_MODELS}
+EMBED_MODELS = sorted(LAT_LENGTHS)  # every embedding model a benchmark can build
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -42,13 +80,28 @@ def percentiles(ms: list[float]) -> dict[str, float]:
             "p99": float(np.percentile(a, 99)), "max": float(a.max()), "n": int(a.size)}
 
 
+def arch_folder(name: str, out: Path) -> Path:
+    """An ARCH_MODELS model's seeded folder (or its tiny twin's), built once into `out`."""
+    import pergola.testing
+
+    decl, tiny = arch_model(name)  # type: ignore[misc]
+    if not (out / "model.safetensors").exists():
+        limit = {} if tiny else {"max_seq_length": decl.max_seq_length}
+        getattr(pergola.testing, decl.maker)(out, shape="tiny" if tiny else decl.shape, seed=0,
+                                             dtype="bfloat16", **limit)
+    return out
+
+
 def model_folder(name: str, workdir: Path) -> Path:
-    """The benchmark's model folder: MiniLM's real weights, or a seeded Qwen3 in a published shape
-    (`qwen3-reranker-0.6b`: Qwen3-Reranker-0.6B, a causal LM scored on its yes/no logits)."""
+    """The benchmark's model folder: MiniLM's real weights, a seeded Qwen3 in a published shape
+    (`qwen3-reranker-0.6b`: Qwen3-Reranker-0.6B, a causal LM scored on its yes/no logits), or an
+    ARCH_MODELS encoder's seeded folder (bge-m3, gte-modernbert, and their -tiny twins)."""
     if name == "minilm":
         from pergola.cli import default_model_folder
 
         return default_model_folder()
+    if arch_model(name):
+        return arch_folder(name, workdir / name)
     from pergola.testing import make_qwen3_folder, make_qwen3_reranker_folder
 
     out = workdir / name

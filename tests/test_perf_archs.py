@@ -1,0 +1,69 @@
+"""The architectures the benchmarks time against vLLM besides Qwen3 and MiniLM (perf/common.py's
+ARCH_MODELS: bge-m3, gte-modernbert), on the CPU: their tiny twins build and load as the kind of
+model they stand for, the published shapes' declarations fit their tables, and both benchmarks'
+command lines take them, with Qwen3's lengths on the GPU and the twins in a dry run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+import bench_server  # noqa: E402
+import bench_vllm  # noqa: E402
+from common import ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, arch_model, dry_twin, model_folder  # noqa: E402
+
+from pergola import testing  # noqa: E402
+from pergola.hf_folder import load_model_spec, max_positions  # noqa: E402
+
+KINDS = {"bge-m3": ("bert", ("sparse", "colbert")), "gte-modernbert": ("modernbert", ())}
+SHAPE_TABLES = {"make_bge_m3_folder": (testing.XLMR_SHAPES, "xlm-roberta"),
+                "make_modernbert_folder": (testing.MODERNBERT_SHAPES, "modernbert")}
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_MODELS))
+def test_tiny_twin_builds_as_its_model(tmp_path, name):
+    """The twin is what a dry run serves: the same layout (CLS + normalize, bge-m3's heads) in BF16."""
+    folder = model_folder(dry_twin(name), tmp_path)
+    spec = load_model_spec(folder)
+    assert (spec.architecture, spec.token_heads) == KINDS[name]
+    assert (spec.pooling, spec.normalize) == ("cls", True)
+    assert spec.hf_config["dtype"] == "bfloat16"
+    assert max(LAT_LENGTHS[dry_twin(name)] + TPUT_LENGTHS[dry_twin(name)]) <= spec.max_seq_length
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_MODELS))
+def test_published_shape_holds_the_longest_input(name):
+    """Without building the 0.15-0.57 B-parameter folders: the declared shape exists and its position
+    table covers the declared limit, which covers the longest benchmark input."""
+    decl, tiny = arch_model(name)
+    table, model_type = SHAPE_TABLES[decl.maker]
+    shape = table[decl.shape] | {"model_type": model_type, "pad_token_id": 1}  # XLM-R's pad, as the maker's
+    assert not tiny and callable(getattr(testing, decl.maker))
+    assert max(LAT_LENGTHS[name] + TPUT_LENGTHS[name]) <= decl.max_seq_length <= max_positions(shape)
+
+
+def test_xlm_roberta_folder_takes_a_limit(tmp_path):
+    """bge-m3 publishes 8,192 tokens; the maker's default stays 512 (position table permitting)."""
+    assert load_model_spec(testing.make_xlm_roberta_folder(tmp_path / "a", max_seq_length=256)).max_seq_length == 256
+    assert load_model_spec(testing.make_xlm_roberta_folder(tmp_path / "b")).max_seq_length == 512
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_MODELS))
+def test_command_lines_take_the_models(name):
+    assert bench_server.arg_parser().parse_args(["--model", name]).model == name
+    assert bench_server.arg_parser().parse_args(["--model", dry_twin(name), "--device", "cpu"]).model == dry_twin(name)
+    args = bench_vllm.arg_parser().parse_args(["--models", name, "--suites", "inproc", "server"])
+    assert args.models == [name]
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_MODELS))
+def test_vllm_plans(name):
+    """Qwen3's lengths and limit on the GPU; the twin at one short length in a dry run; suite keys by name."""
+    full, dry = bench_vllm.Plan().for_model(name, False), bench_vllm.Plan.dry().for_model(name, True)
+    assert (full.embed_model, full.lat_lengths, full.tput_lengths) == (name, (128, 512, 4096), (512, 1024, 4096))
+    assert (full.check_length, full.conc_length, full.max_model_len) == (512, 512, 8192)
+    assert (dry.embed_model, dry.lat_lengths, dry.tput_lengths, dry.max_model_len) == (dry_twin(name), (128,), (128,), 512)
+    assert bench_vllm.split_suite(bench_vllm.keyed("server", name)) == ("server", name)
