@@ -4,7 +4,8 @@
 # scripts/vllm_setup.sh for the vllm step):
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
-#                                              # batch1 adapter fp8 archs
+#                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
+#                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
 
@@ -21,6 +22,16 @@ run() {  # NAME COMMAND...: echo, run, keep the log, never stop the remaining st
   local t0=$SECONDS
   "$@" 2>&1 | tee -a "$OUT/$name.log"
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+}
+
+archs_perf() {  # MODEL TAG: pergola's server suites, then vLLM 0.22's inproc + server suites, on one seeded
+  # folder (perf/common.py's ARCH_MODELS, published shape, BF16) built once in a shared workdir
+  local model=$1 tag=$2 workdir=/tmp/pergola-archs
+  run "server_$tag" python3 perf/bench_server.py --model "$model" --latency-n 40 --workdir "$workdir" \
+    --out "$OUT/server_$tag.json"
+  # shellcheck disable=SC1091
+  (source /tmp/vllm-site/env.sh && run "vllm_$tag" python3 perf/bench_vllm.py --models "$model" \
+    --suites inproc server --workdir "$workdir" --out "$OUT/vllm_$tag.json")
 }
 
 for step in "$@"; do
@@ -103,7 +114,15 @@ for step in "$@"; do
     archs)  # the architectures' GPU tests: published shapes, bge-m3's outputs, decoder rerankers
       PERGOLA_TEST_DEVICE=gpu run pytest_archs python3 -m pytest -q -ra tests/test_architectures_gpu.py \
         tests/test_bge_m3.py tests/test_decoder_rerankers.py -k "gpu or published" ;;
+    archs_perf_bge_m3)  # bge-m3's shape through pergola's server and vLLM's (RobertaEmbeddingModel), ~7 min
+      archs_perf bge-m3 bge_m3 ;;
+    archs_perf_modernbert)  # gte-modernbert-base's shape, pergola vs vLLM's ModernBertModel, ~6 min
+      archs_perf gte-modernbert modernbert ;;
+    archs_perf)  # both of the above, ~13 min: over one 10-minute command, so run the two steps apart there
+      archs_perf bge-m3 bge_m3
+      archs_perf gte-modernbert modernbert ;;
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
-         "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs)" >&2; exit 2 ;;
+         "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
+         "archs_perf_modernbert archs_perf)" >&2; exit 2 ;;
   esac
 done
