@@ -309,3 +309,24 @@ def test_on_a_gpu_queries_run_between_bulk_layers_and_change_nothing(tmp_path_fa
     # BF16 between the lone computation's eager warm-up and the lane's graph replay (0.078 seen).
     for i, a in enumerate(alone):
         assert cosine_rows(got[f"q{i}"], a).min() >= 0.9999
+
+
+def test_a_failing_idle_callback_does_not_end_the_loop(engine):
+    """The idle metrics flush runs while execute() may answer a query at once; if it raises, the
+    loop's thread must live on (every request after it would wait forever otherwise)."""
+    calls = threading.Event()
+
+    def failing() -> None:
+        calls.set()
+        raise RuntimeError("dictionary changed size during iteration")
+
+    loop = EncodeLoop(engine, on_idle=failing)
+    try:
+        assert calls.wait(10), "the loop never went idle"
+        query, done = ids_request(1, 16, seed=3), threading.Event()
+        got: list = []
+        loop.submit(Job(query, deliver=lambda r: (got.append(r.copy()), done.set()), fail=got.append))
+        assert done.wait(30), got
+    finally:
+        loop.stop()
+    np.testing.assert_allclose(got[0], engine.encode([query])[0], atol=1e-5)

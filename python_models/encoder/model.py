@@ -69,6 +69,11 @@ class TritonPythonModel:
         self.metrics_lock = threading.Lock()
         self.loop = EncodeLoop(self.engine, self.cfg.max_queue_seconds, on_step=self._on_step,
                                on_idle=self._on_idle, on_fatal=self._fatal)
+        # Again, last: FlashInfer loads tvm-ffi while the Engine is built, whose library installs
+        # its own SIGSEGV handler over faulthandler's (and prints no Python stack); enable() alone
+        # does nothing while faulthandler believes it is on.
+        faulthandler.disable()
+        faulthandler.enable(all_threads=True)
 
     def _on_idle(self) -> None:
         with self.metrics_lock:
@@ -158,7 +163,7 @@ class TritonPythonModel:
             self.metrics.update(self.engine.stats)
         if marks is not None:
             marks["engine_done"] = time.monotonic_ns()
-        response = self._response(options, req, request.requested_output_names(), pooled)
+        response = pb_utils.InferenceResponse(self._tensors(options, req, request.requested_output_names(), pooled))
         if marks is not None:
             marks["built"] = marks["sent"] = time.monotonic_ns()
         return response
@@ -167,15 +172,22 @@ class TritonPythonModel:
                  req: EncodeRequest, wanted: set[str], pooled: np.ndarray) -> None:
         if marks is not None:
             marks["engine_done"], marks["started"] = time.monotonic_ns(), int(marks.pop("job").started_at * 1e9)
-        response = self._response(options, req, wanted, pooled)
+        tensors = self._tensors(options, req, wanted, pooled)
+        response = pb_utils.InferenceResponse(tensors)
         if marks is not None:
             marks["built"] = time.monotonic_ns()
+        # `tensors` outlives send(): Triton 2.51's stub (python_backend r24.10) drops the outputs a
+        # request did not ask for inside send() with the GIL released, and a numpy array freed
+        # there kills a Python >= 3.12 stub (python_backend #390, fixed in Triton 2.53). _tensors
+        # builds only what was asked for; this keeps any other tensor alive past the send as well.
         sender.send(response, flags=FINAL)
+        del tensors
         if marks is not None:
             marks["sent"] = time.monotonic_ns()
 
-    def _response(self, options: EmbedOptions | RerankOptions | ClassifyOptions, req: EncodeRequest,
-                  wanted: set[str], pooled: np.ndarray):
+    def _tensors(self, options: EmbedOptions | RerankOptions | ClassifyOptions, req: EncodeRequest,
+                 wanted: set[str], pooled: np.ndarray) -> list:
+        """The response's output tensors, those in `wanted` only."""
         if isinstance(options, ClassifyOptions):
             outputs = {"PROBS": activate(pooled, self.activation, options.raw_scores), "LABELS": self.labels}
         elif isinstance(options, RerankOptions):
@@ -185,7 +197,7 @@ class TritonPythonModel:
             outputs = self._embeddings(options, req, pooled)
         # Only the outputs asked for: each costs a tensor in shared memory and an output in the server
         # (a direct call that names EMBEDDING gets 1 instead of 9; an ensemble asks for all it maps).
-        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items() if k in wanted])
+        return [pb_utils.Tensor(k, v) for k, v in outputs.items() if k in wanted]
 
     def _embeddings(self, options: EmbedOptions, req: EncodeRequest, pooled: np.ndarray) -> dict[str, np.ndarray]:
         """EMBEDDING* ([n, 0] when OUTPUTS leaves out dense) and bge-m3's ragged SPARSE_* / TOKEN_*

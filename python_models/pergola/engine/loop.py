@@ -18,6 +18,7 @@ throughput, or than the request's own timeout: load is shed by work, not by requ
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from pergola.engine import EncodeRequest, Engine, file_token_rows
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.scheduler import LaneQueue, Step
 from pergola.memory import HeapTrimmer
+
+log = logging.getLogger("pergola.engine")
 
 CANCEL_CHECK_S = 0.05  # how often a queued request's "client gone?" is asked (an IPC to the server)
 # Layers the host may launch ahead of the device in a bulk step while queries are served between
@@ -226,12 +229,12 @@ class EncodeLoop:
         while True:
             if inflight is None and not self._side and not self._wait(woken, timeout=1.0):
                 self._trimmer.now()  # idle for a second: give the heap back, tell the metrics
-                self.on_idle()
+                self._idle_callback()
                 answered = self.answered_at_once
                 while not self._wait(woken, timeout=1.0):  # and again after queries run_now answered
                     if self.answered_at_once != answered:
                         answered = self.answered_at_once
-                        self.on_idle()
+                        self._idle_callback()
             with self._cond:
                 if self._stopping and inflight is None and not self._side:
                     leftover = list(self._jobs.values())
@@ -394,6 +397,14 @@ class EncodeLoop:
             for key in jobs:
                 self._queue.remove(key)
         return list(jobs.values())
+
+    def _idle_callback(self) -> None:
+        """on_idle (the metrics' flush), which must never end the loop's thread: every request
+        after that would wait forever. (It runs while execute() may answer a query at once.)"""
+        try:
+            self.on_idle()
+        except Exception:  # noqa: BLE001 - reported, and the loop goes on
+            log.exception("the encode loop's idle callback failed; serving on")
 
     def _failed(self, error: BaseException, steps: list[Step]) -> bool:
         """Fail the jobs of `steps` (all jobs when the device is poisoned); True: end the loop."""
