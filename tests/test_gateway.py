@@ -79,9 +79,10 @@ def call(gw: Gateway, method: str, path: str, body: object = None, key: str | No
 def gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
     # chunks of 3 texts: every multi-text request below is cut and put back together
     metrics_port = server.metrics_url.rsplit(":", 1)[1].split("/")[0]
-    # --triton-repository: requests of up to --gateway-tokenize-chars (4,096) are tokenized in the gateway
+    # --triton-repository: requests of up to --gateway-tokenize-chars are tokenized in the gateway
     gw = start_gateway(tmp_path_factory.mktemp("gateway"), server.grpc_url, "--api-key", KEY, "--chunk-texts", "3",
-                       "--triton-metrics-port", metrics_port, "--triton-repository", str(server.repo))
+                       "--triton-metrics-port", metrics_port, "--triton-repository", str(server.repo),
+                       "--gateway-tokenize-chars", "4096")
     yield gw
     gw.stop()
 

@@ -11,7 +11,8 @@ When the gateway can read the repository its Triton server loads (`pergola serve
 with the same code (pergola.tokenization.TextTokenizer), the same files (the served version's
 hf/ folder) and the same settings (the encoder's config.pbtxt parameters) as NAME_tokenizer, and
 its ids go to that version of NAME_encoder. Larger requests still go through the tokenizer
-instances in chunks, so a bulk request never holds the event loop. A tokenizer is loaded in a
+instances in chunks, so a bulk request never holds the event loop (the tokenizing is done on
+it: a thread hand-off would cost about what a query's tokenizing does). A tokenizer is loaded in a
 worker thread the first time its (model, version) is asked for; until then, and after a failed
 load, requests take the ensemble's path.
 """
