@@ -415,6 +415,48 @@ def http_gateway(grpc_url: str, ids: np.ndarray, warmup: int, n: int, stub: bool
         proc.wait(timeout=30)
 
 
+def bench_ids(workdir: Path) -> tuple[Path, np.ndarray]:
+    """qwen3-tiny's folder under `workdir` (CPU) and the 128 token ids every call sends."""
+    import common
+    from common import model_folder
+    from inputs import TokenWindows
+    from pergola.hf_folder import load_model_spec
+
+    common.DEVICE = "cpu"
+    folder = model_folder("qwen3-tiny", workdir)
+    return folder, TokenWindows(load_model_spec(folder).tokenizer_file).ids(128, 1, seed=1)[0].astype(np.int64)
+
+
+def record(variants: dict, name: str, last: dict) -> None:
+    """One round's row of a variant, kept and printed."""
+    variants.setdefault(name, {"rounds": []})["rounds"].append(last)
+    if "error" in last:
+        print(f"  {name:28s} failed: {last['error'][-300:]}", flush=True)
+    else:
+        print(f"  {name:28s} p50 {last['p50_ms']:6.3f} ms  p99 {last['p99_ms']:6.3f}  "
+              f"cpu {last['cpu_ms_per_call']:6.3f} ms/call", flush=True)
+
+
+def medians(variants: dict, extra: tuple[str, ...] = ()) -> None:
+    """Each variant's medians over its rounds into row["median"] (this machine's speed drifts
+    between rounds; the order alternates), and their table; `extra`: more keys of a round's row."""
+    print(f"\n{'variant':28s} {'p50 ms':>8s} {'p50 range':>15s} {'p99 ms':>8s} {'cpu ms/call':>12s} {'cpu range':>15s}"
+          + "".join(f" {k:>14s}" for k in extra))
+    for v, row in variants.items():
+        ok = [x for x in row["rounds"] if "error" not in x]
+        if not ok:
+            print(f"{v:28s} failed")
+            continue
+        p50, p99, cpu = ([x[k] for x in ok] for k in ("p50_ms", "p99_ms", "cpu_ms_per_call"))
+        more = {k: float(np.median([x[k] for x in ok])) for k in extra if all(k in x for x in ok)}
+        row["median"] = {"p50_ms": float(np.median(p50)), "p99_ms": float(np.median(p99)),
+                         "cpu_ms_per_call": float(np.median(cpu)), **more, "rounds": len(ok)}
+        m = row["median"]
+        print(f"{v:28s} {m['p50_ms']:8.3f} {min(p50):7.3f}-{max(p50):<7.3f} {m['p99_ms']:8.3f} "
+              f"{m['cpu_ms_per_call']:12.3f} {min(cpu):7.3f}-{max(cpu):<7.3f}"
+              + "".join(f" {more[k]:14.3f}" if k in more else f" {'':14s}" for k in extra))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=2000)
@@ -435,16 +477,11 @@ def main() -> None:
                                            args.n)), flush=True)
         return
 
-    import common
     from bench_gateway import pergola_stack
-    from common import model_folder, write_result
-    from inputs import TokenWindows
-    from pergola.hf_folder import load_model_spec
+    from common import write_result
 
-    common.DEVICE = "cpu"
     workdir = Path(tempfile.mkdtemp(prefix="pergola-transport-"))
-    folder = model_folder("qwen3-tiny", workdir)
-    ids = TokenWindows(load_model_spec(folder).tokenizer_file).ids(128, 1, seed=1)[0].astype(np.int64)
+    folder, ids = bench_ids(workdir)
     ids_file = workdir / "ids.npy"
     np.save(ids_file, ids)
     wanted = args.variants or [*CHILD_VARIANTS, "http_gateway", "http_gateway_stub"]
@@ -471,25 +508,8 @@ def main() -> None:
                 if "paired_direct" in got:
                     rows[f"{v}_direct"] = got.pop("paired_direct")
                 for name, last in rows.items():
-                    res["variants"].setdefault(name, {"rounds": []})["rounds"].append(last)
-                    if "error" in last:
-                        print(f"  {name:28s} failed: {last['error'][-300:]}", flush=True)
-                    else:
-                        print(f"  {name:28s} p50 {last['p50_ms']:6.3f} ms  p99 {last['p99_ms']:6.3f}  "
-                              f"cpu {last['cpu_ms_per_call']:6.3f} ms/call", flush=True)
-    # the medians over the rounds (this machine's speed drifts between rounds; the order alternates)
-    print(f"\n{'variant':28s} {'p50 ms':>8s} {'p50 range':>15s} {'p99 ms':>8s} {'cpu ms/call':>12s} {'cpu range':>15s}")
-    for v, row in res["variants"].items():
-        ok = [x for x in row["rounds"] if "error" not in x]
-        if not ok:
-            print(f"{v:28s} failed")
-            continue
-        p50, p99, cpu = ([x[k] for x in ok] for k in ("p50_ms", "p99_ms", "cpu_ms_per_call"))
-        row["median"] = {"p50_ms": float(np.median(p50)), "p99_ms": float(np.median(p99)),
-                         "cpu_ms_per_call": float(np.median(cpu)), "rounds": len(ok)}
-        m = row["median"]
-        print(f"{v:28s} {m['p50_ms']:8.3f} {min(p50):7.3f}-{max(p50):<7.3f} {m['p99_ms']:8.3f} "
-              f"{m['cpu_ms_per_call']:12.3f} {min(cpu):7.3f}-{max(cpu):<7.3f}")
+                    record(res["variants"], name, last)
+    medians(res["variants"])
     write_result(res, args.out)
 
 
