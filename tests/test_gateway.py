@@ -211,11 +211,11 @@ def tokenized_texts(gw: Gateway) -> dict[str, float]:
     return found
 
 
-def tokenizer_loaded(gw: Gateway) -> None:
-    """Waits until `gw` tokenizes minilm's texts itself (it loads the tokenizer on first use)."""
+def tokenizer_loaded(gw: Gateway, model: str = "minilm") -> None:
+    """Waits until `gw` tokenizes `model`'s texts itself (it loads the tokenizer on first use)."""
     for _ in range(100):
         before = tokenized_texts(gw).get("gateway", 0.0)
-        status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": "warm up"})
+        status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": model, "input": "warm up"})
         assert status == 200, out
         if tokenized_texts(gw).get("gateway", 0.0) > before:
             return
