@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
-from typing import Awaitable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
@@ -23,9 +23,10 @@ from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.replicas import ReplicaPool
 from pergola.errors import RequestError
-from pergola.gateway.metrics import TEXTS
+from pergola.gateway.metrics import INPUTS
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
+from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
 
 # Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
@@ -125,6 +126,11 @@ def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
     return error if found is None else TooLong(start + int(found[1]), int(found[2]), error.message)
 
 
+def _refused(error: RequestError) -> GatewayError:
+    """The gateway's own tokenizer refusing a request, as Triton's refusal would come back."""
+    return _too_long(GatewayError(413 if "the limit is" in str(error) else 400, str(error)))
+
+
 async def _numbered(start: int, call: Awaitable[T]) -> T:
     """A chunk's call; a too-long refusal names the request's input, not the chunk's."""
     try:
@@ -203,18 +209,25 @@ class Backend:
     async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
         """Embeddings of `texts`: tokenized here when short (gateway/tokenizers.py), else through
         the embed ensemble in chunks."""
+        return await self._here_or_ensemble(model, texts, lambda tok: self._embed_here(model, tok, texts, opts),
+                                            lambda: self._embed_ensemble(model, texts, opts))
+
+    async def _here_or_ensemble(self, model: ServedModel, texts: list[str],
+                                here: Callable[[Any], Awaitable[T]], ensemble: Callable[[], Awaitable[T]]) -> T:
+        """here(tokenizer) when the gateway tokenizes `texts` itself, else ensemble(); a version
+        swapped out since the catalog was read (404) takes the ensemble, which serves the new one."""
         tokenizer = self.tokenizers.for_request(model, texts)
         if tokenizer is not None:
             try:
-                embedded = await self._embed_here(model, tokenizer, texts, opts)
-                TEXTS.labels("gateway").inc(len(texts))
-                return embedded
+                result = await here(tokenizer)
+                INPUTS.labels(model.task, "gateway").inc(len(texts))
+                return result
             except GatewayError as e:
                 if e.status != 404:  # (404: that version is gone, swapped by `pergola add-version`)
                     raise
                 self.tokenizers.stale(model)
-        TEXTS.labels("triton").inc(len(texts))
-        return await self._embed_ensemble(model, texts, opts)
+        INPUTS.labels(model.task, "triton").inc(len(texts))
+        return await ensemble()
 
     async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
                           opts: EmbedOptions) -> Embedded:
@@ -224,7 +237,7 @@ class Backend:
             enc = tokenizer.encode(texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens,
                                    truncate=opts.truncate if opts.truncate is not None else model.limit("truncate"))
         except RequestError as e:
-            raise _too_long(GatewayError(413 if "the limit is" in str(e) else 400, str(e))) from None
+            raise _refused(e) from None
         inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32")]
         if enc.prompt_lengths.any():
             inputs.append(_tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :], "INT32"))
@@ -302,7 +315,31 @@ class Backend:
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
                      opts: RerankOptions = RerankOptions()) -> Reranked:
-        """Scores [n] float32 of `documents` against `query` and each pair's tokens, in input order."""
+        """Scores [n] float32 of `documents` against `query` and each pair's tokens, in input order:
+        tokenized here when the request is short (gateway/tokenizers.py), else through the
+        rerank ensemble in chunks."""
+        return await self._here_or_ensemble(
+            model, [query, *documents], lambda tok: self._rerank_here(model, tok, query, documents, opts),
+            lambda: self._rerank_ensemble(model, query, documents, opts))
+
+    async def _rerank_here(self, model: ServedModel, tokenizer: RerankTokenizer, query: str, documents: list[str],
+                           opts: RerankOptions) -> Reranked:
+        """The pairs tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
+        try:
+            enc = tokenizer.encode(query, documents, max_document_tokens=opts.max_document_tokens,
+                                   instruction=opts.instruction,
+                                   truncate=opts.truncate if opts.truncate is not None else model.limit("truncate"))
+        except RequestError as e:
+            raise _refused(e) from None
+        inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32"),
+                  _tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :], "INT64")]
+        if opts.raw_scores:
+            inputs.append(_tensor("RAW_SCORES", np.array([[True]]), "BOOL"))
+        result = await self._infer(f"{model.target}_encoder", inputs, ["SCORE"], version=model.version or "")
+        return Reranked(result.as_numpy("SCORE"), enc.lengths)
+
+    async def _rerank_ensemble(self, model: ServedModel, query: str, documents: list[str],
+                               opts: RerankOptions) -> Reranked:
         options = [_tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")]
         if opts.truncate is not None:
             options.append(_tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))

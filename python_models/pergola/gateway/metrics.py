@@ -4,7 +4,8 @@
                                                       the last byte of its answer
     pergola_gateway_requests_total{route,status}      answers by HTTP status
     pergola_gateway_requests_in_flight                requests being answered now
-    pergola_gateway_embedded_texts_total{tokenized}   texts embedded, tokenized by the gateway or triton
+    pergola_gateway_inputs_total{task,tokenized}      texts embedded / query + documents reranked, by
+                                                      where they were tokenized: gateway or triton
 
 `route` is the route's path (/v1/embeddings, /embed, ...); any other path counts as "other",
 so a scan of random URLs cannot grow the series without bound. The process's own metrics
@@ -35,8 +36,9 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 DURATION = Histogram("pergola_gateway_request_duration_seconds", "seconds from a request's arrival to the end "
                      "of its answer", ["route"], buckets=BUCKETS)
 REQUESTS = Counter("pergola_gateway_requests", "requests answered, by route and HTTP status", ["route", "status"])
-TEXTS = Counter("pergola_gateway_embedded_texts", "texts embedded, by where they were tokenized: in the gateway "
-                "(short requests, gateway/tokenizers.py) or by Triton's tokenizer instances", ["tokenized"])
+INPUTS = Counter("pergola_gateway_inputs", "texts embedded (embed) or query and documents reranked (rerank), by "
+                 "where they were tokenized: in the gateway (short requests, gateway/tokenizers.py) or by "
+                 "Triton's tokenizer instances", ["task", "tokenized"])
 IN_FLIGHT = Gauge("pergola_gateway_requests_in_flight", "requests being answered now",
                   multiprocess_mode="livesum")
 

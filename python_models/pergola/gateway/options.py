@@ -30,7 +30,7 @@ class GatewayOptions:
                                                  "tokenized in the gateway with the served version's files and "
                                                  "sent to NAME_encoder directly, one Triton hop fewer",
                                            metavar="FOLDER")
-    gateway_tokenize_chars: int = option(1_024, "an embedding request of at most this many characters in all "
+    gateway_tokenize_chars: int = option(1_024, "an embed or rerank request of at most this many characters in all "
                                                 "is tokenized in the gateway (with --triton-repository), on its "
                                                 "event loop (Qwen3's tokenizer on a 2-core CPU host: ~30 us for "
                                                 "50 characters, 1.3 ms for 4,096); a larger one goes through "

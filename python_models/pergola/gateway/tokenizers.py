@@ -7,10 +7,11 @@ encoder (perf/RESULTS.md, mixed traffic, 2026-12-04), while tokenizing the text 
 microseconds. Under bulk text traffic the tokenizer instances are busy too, and a query waits there.
 
 When the gateway can read the repository its Triton server loads (`pergola serve` passes it as
---triton-repository), a request of at most --gateway-tokenize-chars characters is tokenized here
-with the same code (pergola.tokenization.TextTokenizer), the same files (the served version's
-hf/ folder) and the same settings (the encoder's config.pbtxt parameters) as NAME_tokenizer, and
-its ids go to that version of NAME_encoder. Larger requests still go through the tokenizer
+--triton-repository), an embed or rerank request of at most --gateway-tokenize-chars characters
+(a rerank request's query and documents together) is tokenized here with the same code
+(pergola.tokenization.TextTokenizer, pergola.rerank.RerankTokenizer), the same files (the served
+version's hf/ folder) and the same settings (the encoder's config.pbtxt parameters) as
+NAME_tokenizer, and its ids go to that version of NAME_encoder. Larger requests still go through the tokenizer
 instances in chunks, so a bulk request never holds the event loop (the tokenizing is done on
 it: a thread hand-off would cost about what a query's tokenizing does). A tokenizer is loaded in a
 worker thread the first time its (model, version) is asked for; until then, and after a failed
@@ -25,10 +26,13 @@ from pathlib import Path
 
 from pergola.config import EngineConfig
 from pergola.gateway.catalog import ServedModel
+from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
 
 log = logging.getLogger("pergola.gateway")
 Key = tuple[str, str]  # (the model behind a served name, its encoder's version)
+Tokenizer = TextTokenizer | RerankTokenizer
+TASKS = ("embed", "rerank")  # (a classifier's requests still go through its ensemble)
 
 
 class LocalTokenizers:
@@ -37,13 +41,15 @@ class LocalTokenizers:
     def __init__(self, repository: str | None, max_chars: int) -> None:
         self.repository = Path(repository).expanduser() if repository else None
         self.max_chars = max_chars
-        self._ready: dict[Key, TextTokenizer | None] = {}  # None: could not be loaded, or a stale version
+        self._ready: dict[Key, Tokenizer | None] = {}  # None: could not be loaded, or a stale version
         self._loading: dict[Key, asyncio.Task] = {}
 
-    def for_request(self, model: ServedModel, texts: list[str]) -> TextTokenizer | None:
-        """The tokenizer for `texts` of `model` when they are short enough and it is loaded; else
-        None (the ensemble's path). Starts loading it on first use."""
-        if self.repository is None or model.version is None or sum(map(len, texts)) > self.max_chars:
+    def for_request(self, model: ServedModel, texts: list[str]) -> Tokenizer | None:
+        """The tokenizer for `texts` of `model` (a rerank request's query and documents) when they
+        are short enough and it is loaded; else None (the ensemble's path). Starts loading it on
+        first use."""
+        if (self.repository is None or model.version is None or model.task not in TASKS
+                or sum(map(len, texts)) > self.max_chars):
             return None
         key = (model.target, model.version)
         if key in self._ready:
@@ -59,10 +65,12 @@ class LocalTokenizers:
         catalog names the new version."""
         self._ready[(model.target, model.version or "")] = None
 
-    def _load(self, model: ServedModel) -> TextTokenizer:
+    def _load(self, model: ServedModel) -> Tokenizer:
         folder = self.repository / f"{model.target}_encoder" / str(model.version) / "hf"  # type: ignore[operator]
         cfg = EngineConfig(**{**model.settings, "model_dir": str(folder)})
-        return TextTokenizer(cfg.spec(), model.text_limits())
+        if model.task == "rerank":  # as rerank_tokenizer/model.py builds it
+            return RerankTokenizer(cfg.spec(), config=cfg)
+        return TextTokenizer(cfg.spec(), model.text_limits())  # as tokenizer/model.py
 
     def _loaded(self, key: Key, task: asyncio.Task) -> None:
         del self._loading[key]
@@ -72,4 +80,4 @@ class LocalTokenizers:
         if error is not None:
             log.warning("cannot tokenize %s (version %s) in the gateway, its texts go through Triton's "
                         "tokenizer: %s", key[0], key[1], error)
-        self._ready[key] = None if error is not None else task.result()
+        self._ready.setdefault(key, None if error is not None else task.result())  # (unless stale by now)
