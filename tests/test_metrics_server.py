@@ -108,8 +108,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, collec
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # the gateway's span batches: every 0.2 s
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("HF_HUB_CACHE", str(root / "hf-cache"))
-        process = start_serve(root, f"mini={REPO_ID}", "--metrics-flush-s", "0", "--otlp-endpoint",
-                              f"http://127.0.0.1:{collector.server_address[1]}/v1/traces")
+        # (--gateway-tokenize-chars 0: every text through the tokenizer model, whose metrics are checked)
+        process = start_serve(root, f"mini={REPO_ID}", "--metrics-flush-s", "0", "--gateway-tokenize-chars", "0",
+                              "--otlp-endpoint", f"http://127.0.0.1:{collector.server_address[1]}/v1/traces")
     try:
         base = process.wait_gateway()
         yield process, base, f"http://127.0.0.1:{process.metrics}/metrics"
