@@ -1,7 +1,9 @@
 """The gateway: the HTTP APIs embedding and rerank clients already speak, in front of Triton.
 
     client --HTTP/JSON--> gateway (Starlette on uvicorn, one event loop per worker)
-                              |  parse + check limits, cut into chunks (backend.py)
+                              |  parse + check limits (http.py, the route's module)
+                              |  short request: tokenize here (tokenizers.py) --> NAME_encoder
+                              |  otherwise: cut into chunks (backend.py) -------> the ensemble
                               +--gRPC (tritonclient aio)--> Triton replica 1 .. N (replicas.py)
 
 OpenAI `/v1/embeddings` (openai_api.py), Cohere/Jina `/v1/rerank` (rerank_api.py), TEI `/embed`,
