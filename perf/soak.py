@@ -103,17 +103,21 @@ def soak(url: str, repo: Path, model: str, minutes: float, clients: int, every_s
 
 
 def growth(samples: list[dict]) -> dict[str, dict[str, float]]:
-    """Per process: RSS after the warm-up (the first fifth of the loaded samples), the most in
-    the last fifth under load, the peak, idle at the end, and growth = last fifth - warm-up."""
+    """Per process: the most RSS in the fifth of the loaded samples after the warm-up (the first
+    fifth), the most in the last fifth, the peak, idle at the end, and growth = last fifth's most
+    - the warm-up's. Peaks against peaks: RSS under load swings by what is in flight (a request
+    of 64 texts of 400 words holds its buffers while it runs), so one sample against the most of
+    several would count a swing as growth; a leak raises the peaks."""
     loaded = [s for s in samples if not s.get("idle")]
-    warm = loaded[max(1, len(loaded) // 5)]["rss_mb"]
-    tail = loaded[-max(1, len(loaded) // 5):]
+    fifth = max(1, len(loaded) // 5)
+    warm, tail = loaded[fifth:2 * fifth], loaded[-fifth:]
     out = {}
     for name in samples[-1]["rss_mb"]:
+        after_warmup = max(s["rss_mb"].get(name, 0.0) for s in warm)
         late = max(s["rss_mb"].get(name, 0.0) for s in tail)
-        out[name] = {"after_warmup": round(warm.get(name, 0.0), 1), "late": round(late, 1),
+        out[name] = {"after_warmup": round(after_warmup, 1), "late": round(late, 1),
                      "peak": round(max(s["rss_mb"].get(name, 0.0) for s in samples), 1),
-                     "idle": round(samples[-1]["rss_mb"][name], 1), "growth": round(late - warm.get(name, 0.0), 1)}
+                     "idle": round(samples[-1]["rss_mb"][name], 1), "growth": round(late - after_warmup, 1)}
     return out
 
 

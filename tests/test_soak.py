@@ -22,3 +22,17 @@ def test_memory_stays_flat_under_varying_traffic(server):
     assert set(result["growth_mb"]) >= {"tritonserver", "minilm_encoder", "minilm_tokenizer"}
     for name, g in result["growth_mb"].items():
         assert g["growth"] <= MAX_GROWTH_MB, (name, g)
+
+
+def _samples(rss: list[float]) -> list[dict]:
+    return [{"t_s": i * 15.0, "rss_mb": {"encoder": v}} for i, v in enumerate(rss)] + \
+        [{"t_s": len(rss) * 15.0, "rss_mb": {"encoder": rss[-1]}, "idle": True}]
+
+
+def test_growth_counts_rising_peaks_not_swings():
+    """A leak (every sample 30 MB above the last) is growth; RSS swinging with what is in flight
+    (800 <-> 1,000 MB the whole run) is not."""
+    leak = soak.growth(_samples([800 + 30 * i for i in range(10)]))["encoder"]
+    assert leak["growth"] == 180 > MAX_GROWTH_MB
+    swing = soak.growth(_samples([800, 1000] * 5))["encoder"]
+    assert swing["growth"] == 0 and swing["peak"] == 1000
