@@ -9,6 +9,8 @@ offsets must cut the answer per text, and a model without the heads must refuse 
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 import numpy as np
@@ -306,13 +308,26 @@ def test_unknown_output_is_refused_by_name(served):
 
 # --- TEI's routes on the gateway -----------------------------------------------------------------
 
-def test_tei_embed_sparse_and_embed_all(served, folders):
+@pytest.mark.parametrize("tokenized", ["in the gateway", "by the ensemble"])
+def test_tei_embed_sparse_and_embed_all(served, folders, tokenized):
+    from test_gateway import tokenized_inputs
+
     base = served.wait_gateway()
-    texts = XLMR_TEXTS[:4]
+    # (under and over --gateway-tokenize-chars, 1,024: XLMR_TEXTS[1] alone is 2,200 characters)
+    texts = [t for t in XLMR_TEXTS if len(t) < 100][:4] if tokenized == "in the gateway" else XLMR_TEXTS[:4]
+    for _ in range(100):  # the gateway loads m3's tokenizer on its first short request
+        before = tokenized_inputs(base).get("gateway", 0.0)
+        assert post(base, "/embed", {"inputs": "warm up", "model": "m3"})[0] == 200
+        if tokenized_inputs(base).get("gateway", 0.0) > before:
+            break
+        time.sleep(0.1)
     _, lexical, multi = flag_embedding(folders["m3"], texts)
+    before = tokenized_inputs(base)
     status, sparse = post(base, "/embed_sparse", {"inputs": texts, "model": "m3"})
     assert status == 200
     assert_lexical_equal([{e["index"]: e["value"] for e in entries} for entries in sparse], lexical)
+    where = "gateway" if tokenized == "in the gateway" else "triton"
+    assert tokenized_inputs(base)[where] - before.get(where, 0.0) == len(texts)
     status, tokens = post(base, "/embed_all", {"inputs": texts[0], "model": "m3"})
     assert status == 200 and len(tokens) == 1
     np.testing.assert_allclose(np.array(tokens[0]), multi[0], atol=1e-4 if TEST_DEVICE == "cpu" else 2e-2, rtol=0)

@@ -209,9 +209,10 @@ SHORT_REQUESTS = {
 }
 
 
-def tokenized_inputs(gw: Gateway) -> dict[str, float]:
-    """The gateway's pergola_gateway_inputs_total by where they were tokenized (tasks summed)."""
-    with urllib.request.urlopen(gw.url + "/metrics", timeout=30) as r:
+def tokenized_inputs(gw: Gateway | str) -> dict[str, float]:
+    """The gateway's pergola_gateway_inputs_total by where they were tokenized (tasks summed);
+    `gw`: a Gateway or its base URL."""
+    with urllib.request.urlopen(f"{getattr(gw, 'url', gw)}/metrics", timeout=30) as r:
         lines = r.read().decode().splitlines()
     found: dict[str, float] = {}
     for line in lines:

@@ -82,6 +82,17 @@ def _split(values: list[np.ndarray], offsets: np.ndarray) -> list[list[np.ndarra
     return [[v[a:b] for v in values] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
+# bge-m3's per-token outputs (pergola.token_outputs) and, from the ensemble, each text's tokens
+_PER_TOKEN = ["SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS", "TOKEN_COUNT"]
+
+
+def _per_token_answer(r, tokens: np.ndarray) -> PerToken:
+    """A Triton answer's ragged SPARSE_* / TOKEN_* cut per text."""
+    sparse = _split([r.as_numpy("SPARSE_INDICES"), r.as_numpy("SPARSE_VALUES")], r.as_numpy("SPARSE_OFFSETS"))
+    colbert = _split([r.as_numpy("TOKEN_EMBEDDINGS")], r.as_numpy("TOKEN_OFFSETS"))
+    return PerToken([tuple(s) for s in sparse], [c[0] for c in colbert], tokens)
+
+
 @dataclass
 class Reranked:
     scores: np.ndarray  # [n] float32, in input order
@@ -229,10 +240,10 @@ class Backend:
         INPUTS.labels(model.task, "triton").inc(len(texts))
         return await ensemble()
 
-    async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                          opts: EmbedOptions) -> Embedded:
-        """`texts` tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
-        output, dtype = OUTPUTS[opts.encoding]
+    @staticmethod
+    def _tokenized_here(model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
+                        opts: EmbedOptions) -> tuple[list[InferInput], np.ndarray]:
+        """`texts` tokenized as NAME_tokenizer would -> NAME_encoder's inputs and each text's tokens."""
         try:
             enc = tokenizer.encode(texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens,
                                    truncate=opts.truncate if opts.truncate is not None else model.limit("truncate"))
@@ -241,9 +252,15 @@ class Backend:
         inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32")]
         if enc.prompt_lengths.any():
             inputs.append(_tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :], "INT32"))
-        inputs += _encoder_options(opts, [1, 1])
+        return inputs + _encoder_options(opts, [1, 1]), enc.lengths
+
+    async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
+                          opts: EmbedOptions) -> Embedded:
+        """`texts` tokenized here, their ids to the same version of NAME_encoder."""
+        output, dtype = OUTPUTS[opts.encoding]
+        inputs, tokens = self._tokenized_here(model, tokenizer, texts, opts)
         result = await self._infer(f"{model.target}_encoder", inputs, [output], version=model.version or "")
-        return Embedded(result.as_numpy(output).view(dtype), enc.lengths)
+        return Embedded(result.as_numpy(output).view(dtype), tokens)
 
     async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
         output, dtype = OUTPUTS[opts.encoding]
@@ -260,23 +277,29 @@ class Backend:
 
     async def per_token(self, model: ServedModel, texts: list[str], outputs: list[str],
                         opts: EmbedOptions = EmbedOptions()) -> PerToken:
-        """bge-m3's `outputs` (sparse, colbert) of `texts`, from the embed ensemble's OUTPUTS."""
-        names = ["SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS",
-                 "TOKEN_COUNT"]
-        asked = _tensor("OUTPUTS", np.array([o.encode() for o in outputs], dtype=object), "BYTES")
+        """bge-m3's `outputs` (sparse, colbert) of `texts`: tokenized here when short, else from
+        the embed ensemble's OUTPUTS in chunks."""
+        asked = np.array([o.encode() for o in outputs], dtype=object)
+
+        async def here(tokenizer: TextTokenizer) -> PerToken:
+            inputs, tokens = self._tokenized_here(model, tokenizer, texts, opts)
+            r = await self._infer(f"{model.target}_encoder", [*inputs, _tensor("OUTPUTS", asked[None, :], "BYTES")],
+                                  _PER_TOKEN[:-1], version=model.version or "")
+            return _per_token_answer(r, tokens)
 
         async def one(start: int, end: int) -> PerToken:
             data = np.array([t.encode("utf-8") for t in texts[start:end]], dtype=object)
-            inputs = [_tensor("TEXT", data, "BYTES"), asked, *_option_inputs(opts, [1])]
-            r = await self._infer(model.name, inputs, names)
-            sparse = _split([r.as_numpy("SPARSE_INDICES"), r.as_numpy("SPARSE_VALUES")], r.as_numpy("SPARSE_OFFSETS"))
-            colbert = _split([r.as_numpy("TOKEN_EMBEDDINGS")], r.as_numpy("TOKEN_OFFSETS"))
-            return PerToken([tuple(s) for s in sparse], [c[0] for c in colbert], r.as_numpy("TOKEN_COUNT"))
+            inputs = [_tensor("TEXT", data, "BYTES"), _tensor("OUTPUTS", asked, "BYTES"), *_option_inputs(opts, [1])]
+            r = await self._infer(model.name, inputs, _PER_TOKEN)
+            return _per_token_answer(r, r.as_numpy("TOKEN_COUNT"))
 
-        parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks([len(t) for t in texts],
-                                                                     self.chunk_texts, self.chunk_chars)))
-        return PerToken([s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
-                        np.concatenate([p.tokens for p in parts]))
+        async def ensemble() -> PerToken:
+            parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks(
+                [len(t) for t in texts], self.chunk_texts, self.chunk_chars)))
+            return PerToken([s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
+                            np.concatenate([p.tokens for p in parts]))
+
+        return await self._here_or_ensemble(model, texts, here, ensemble)
 
     async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
         """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""
