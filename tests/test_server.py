@@ -102,10 +102,17 @@ def test_server_metrics_endpoint(server, client):
     import re
     import urllib.request
 
+    import time
+
     client.embed(TEXTS[:3])
-    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    deadline = time.monotonic() + 5  # (pergola's counters reach Triton within a second or two)
+    while True:
+        body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        tokens = re.search(r'pergola_tokens_total\{model="minilm_encoder"\} (\d+)', body)
+        if tokens and int(tokens.group(1)) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert 'nv_inference_request_success{model="minilm_encoder"' in body
-    tokens = re.search(r'pergola_tokens_total\{model="minilm_encoder"\} (\d+)', body)
     assert tokens and int(tokens.group(1)) > 0
     assert re.search(r'pergola_steps_total\{mode="(eager|replay|warmup|capture)",model="minilm_encoder"\} [1-9]', body) \
         or re.search(r'pergola_steps_total\{model="minilm_encoder",mode="\w+"\} [1-9]', body)

@@ -160,7 +160,10 @@ class TritonPythonModel:
             return None
         with self.metrics_lock:
             self.metrics.observe_at_once(int(req.input_ids.size), time.perf_counter() - t0)
-            self.metrics.update(self.engine.stats)
+            if not self.cfg.metrics_flush_s:  # (asked for after every batch; otherwise the idle loop
+                # tells Triton within a second: a flush is an IPC per counter, and every tenth one
+                # per histogram bucket, which this request would wait for)
+                self.metrics.update(self.engine.stats)
         if marks is not None:
             marks["engine_done"] = time.monotonic_ns()
         response = pb_utils.InferenceResponse(self._tensors(options, req, request.requested_output_names(), pooled))
