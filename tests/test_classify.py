@@ -116,6 +116,26 @@ def served(folders, tmp_path_factory: pytest.TempPathFactory):
         process.stop()
 
 
+@pytest.fixture(scope="module", params=["tokenized in the gateway", "through the ensemble"])
+def gateway(served, request, tmp_path_factory: pytest.TempPathFactory):
+    """The served gateway, its classifiers' tokenizers loaded (short requests are tokenized there),
+    or a second gateway that sends every text through the classify ensemble."""
+    from test_gateway import start_gateway, tokenized_inputs, tokenizer_loaded
+
+    process, base = served
+    if request.param == "tokenized in the gateway":
+        for model in ("sentiment", "topics"):
+            tokenizer_loaded(base, model, ("/classify", {"input": "warm up"}))
+        yield base, "gateway", tokenized_inputs
+        return
+    gw = start_gateway(tmp_path_factory.mktemp("classify-gateway"), f"127.0.0.1:{process.grpc}",
+                       "--models", "sentiment,topics", "--gateway-tokenize-chars", "0")
+    try:
+        yield gw.url, "triton", tokenized_inputs
+    finally:
+        gw.stop()
+
+
 def post(base: str, path: str, body: object) -> tuple[int, object]:
     req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -160,8 +180,9 @@ def test_server_matches_transformers(served, folders, name, kind):
         np.testing.assert_allclose(infer("classify", raw=False)[0], probs, atol=0, rtol=0)
 
 
-def test_tei_predict(served, folders):
-    _, base = served
+def test_tei_predict(gateway, folders):
+    base, where, tokenized_inputs = gateway
+    before = tokenized_inputs(base).get(where, 0.0)
     folder = folders["bert"]
     logits = reference_logits(folder, TEXTS)
     probs = reference_probs(folder, logits)
@@ -185,10 +206,13 @@ def test_tei_predict(served, folders):
     assert status == 413 and "inputs[0]" in err["error"], err
     status, err = post(base, "/predict", {"model": "sentiment", "inputs": ["a", "b", "c"]})
     assert status == 422 and "pair" in err["error"]
+    # where the answered ones went: in the gateway the single text and the short pair (the batch
+    # holds PAIRS[1], 4,400 characters, over --gateway-tokenize-chars); else all of them
+    assert tokenized_inputs(base).get(where, 0.0) - before >= (1 + 2 if where == "gateway" else 1 + 4 + 2)
 
 
-def test_vllm_classify(served, folders):
-    _, base = served
+def test_vllm_classify(gateway, folders):
+    base, _, _ = gateway
     folder = folders["xlmr"]
     probs = reference_probs(folder, reference_logits(folder, TEXTS))
     status, out = post(base, "/classify", {"model": "topics", "input": TEXTS})

@@ -223,10 +223,13 @@ def tokenized_inputs(gw: Gateway | str) -> dict[str, float]:
     return found
 
 
-def tokenizer_loaded(gw: Gateway, model: str = "minilm") -> None:
-    """Waits until `gw` tokenizes `model`'s requests itself (it loads a tokenizer on first use)."""
-    path, body = ("/v1/rerank", {"query": "warm", "documents": ["up"]}) if model in ("ce", "qr") else \
-        ("/v1/embeddings", {"input": "warm up"})
+def tokenizer_loaded(gw: Gateway | str, model: str = "minilm", request: tuple[str, dict] | None = None) -> None:
+    """Waits until `gw` (a Gateway or its base URL) tokenizes `model`'s requests itself (it loads
+    a tokenizer on first use); `request`: (path, body) of a short request for that model."""
+    path, body = request or (("/v1/rerank", {"query": "warm", "documents": ["up"]}) if model in ("ce", "qr") else
+                             ("/v1/embeddings", {"input": "warm up"}))
+    if isinstance(gw, str):
+        gw = Gateway(None, gw, None)  # type: ignore[arg-type]
     for _ in range(100):
         before = tokenized_inputs(gw).get("gateway", 0.0)
         status, out, _ = call(gw, "POST", path, body | {"model": model})

@@ -26,6 +26,7 @@ from pergola.errors import RequestError
 from pergola.gateway.metrics import INPUTS
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
+from pergola.classify import ClassifyTokenizer
 from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
 
@@ -104,6 +105,12 @@ class Classified:
     probs: np.ndarray  # [n, labels] float32, in input order (the logits with raw_scores)
     labels: list[str]  # the label of each column
     tokens: np.ndarray  # [n] int: tokens per input after truncation
+
+
+def _classified(result, tokens: np.ndarray) -> Classified:
+    """A Triton answer's PROBS and LABELS."""
+    labels = [label.decode("utf-8") for label in result.as_numpy("LABELS").reshape(-1)]
+    return Classified(result.as_numpy("PROBS"), labels, tokens)
 
 
 @dataclass
@@ -388,8 +395,9 @@ class Backend:
     async def classify(self, model: ServedModel, texts: list[str], pairs: list[str | None] | None = None,
                        opts: ClassifyOptions = ClassifyOptions()) -> Classified:
         """Class probabilities [n, labels] of `texts` (pairs[i]: text i's second sequence, None for
-        none), in input order. Single texts and pairs go in separate calls (TEXT_PAIR pairs all of
-        a call's texts)."""
+        none), in input order: tokenized here when the request is short (gateway/tokenizers.py),
+        else through the classify ensemble in chunks. Single texts and pairs go in separate calls
+        (TEXT_PAIR pairs all of a call's texts)."""
         pairs = pairs or [None] * len(texts)
         groups = [[i for i, p in enumerate(pairs) if p is None], [i for i, p in enumerate(pairs) if p is not None]]
         options = [_tensor("RAW_SCORES", np.array([True]), "BOOL")] if opts.raw_scores else []
@@ -403,22 +411,45 @@ class Backend:
                 inputs.append(_tensor("TEXT_PAIR", np.array([pairs[i].encode("utf-8") for i in index],  # type: ignore[union-attr]
                                                              dtype=object), "BYTES"))
             result = await self._infer(model.name, inputs, ["PROBS", "LABELS", "TOKEN_COUNT"])
-            labels = [label.decode("utf-8") for label in result.as_numpy("LABELS").reshape(-1)]
-            return Classified(result.as_numpy("PROBS"), labels, result.as_numpy("TOKEN_COUNT"))
+            return _classified(result, result.as_numpy("TOKEN_COUNT"))
 
-        async def numbered(index: list[int], paired: bool) -> tuple[list[int], Classified]:
+        def one_here(tokenizer: ClassifyTokenizer) -> Callable[[list[int], bool], Awaitable[Classified]]:
+            async def call(index: list[int], paired: bool) -> Classified:
+                try:
+                    enc = tokenizer.encode([texts[i] for i in index], [pairs[i] for i in index] if paired else None,  # type: ignore[misc]
+                                           truncate=opts.truncate if opts.truncate is not None
+                                           else model.limit("truncate"))
+                except RequestError as e:
+                    raise _refused(e) from None
+                inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"),
+                          _tensor("LENGTHS", enc.lengths[None, :], "INT32"),
+                          _tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :], "INT64")]
+                if opts.raw_scores:
+                    inputs.append(_tensor("RAW_SCORES", np.array([[True]]), "BOOL"))
+                result = await self._infer(f"{model.target}_encoder", inputs, ["PROBS", "LABELS"],
+                                           version=model.version or "")
+                return _classified(result, enc.lengths)
+            return call
+
+        async def numbered(call, index: list[int], paired: bool) -> tuple[list[int], Classified]:
             try:
-                return index, await _numbered(0, one(index, paired))
+                return index, await _numbered(0, call(index, paired))
             except TooLong as e:  # name the request's input, not the call's
                 raise TooLong(index[e.index], e.limit, e.message) from None
 
-        calls = [numbered(group[a:b], paired) for paired, group in enumerate(groups)
-                 for a, b in chunks([len(texts[i]) + len(pairs[i] or "") for i in group], self.chunk_texts,
-                                    self.chunk_chars)]
-        parts = await asyncio.gather(*calls)
-        labels = parts[0][1].labels
-        probs = np.empty((len(texts), len(labels)), dtype=np.float32)
-        tokens = np.empty(len(texts), dtype=np.int64)
-        for index, part in parts:
-            probs[index], tokens[index] = part.probs, part.tokens
-        return Classified(probs, labels, tokens)
+        async def assembled(calls: list[Awaitable[tuple[list[int], Classified]]]) -> Classified:
+            parts = await asyncio.gather(*calls)
+            labels = parts[0][1].labels
+            probs = np.empty((len(texts), len(labels)), dtype=np.float32)
+            tokens = np.empty(len(texts), dtype=np.int64)
+            for index, part in parts:
+                probs[index], tokens[index] = part.probs, part.tokens
+            return Classified(probs, labels, tokens)
+
+        return await self._here_or_ensemble(
+            model, [*texts, *(p for p in pairs if p is not None)],
+            lambda tok: assembled([numbered(one_here(tok), group, bool(paired))
+                                   for paired, group in enumerate(groups) if group]),
+            lambda: assembled([numbered(one, group[a:b], bool(paired)) for paired, group in enumerate(groups)
+                               for a, b in chunks([len(texts[i]) + len(pairs[i] or "") for i in group],
+                                                  self.chunk_texts, self.chunk_chars)]))

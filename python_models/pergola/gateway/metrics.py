@@ -36,7 +36,8 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 DURATION = Histogram("pergola_gateway_request_duration_seconds", "seconds from a request's arrival to the end "
                      "of its answer", ["route"], buckets=BUCKETS)
 REQUESTS = Counter("pergola_gateway_requests", "requests answered, by route and HTTP status", ["route", "status"])
-INPUTS = Counter("pergola_gateway_inputs", "texts embedded (embed) or query and documents reranked (rerank), by "
+INPUTS = Counter("pergola_gateway_inputs", "texts embedded (embed) or classified (classify), query and documents "
+                 "reranked (rerank), by "
                  "where they were tokenized: in the gateway (short requests, gateway/tokenizers.py) or by "
                  "Triton's tokenizer instances", ["task", "tokenized"])
 IN_FLIGHT = Gauge("pergola_gateway_requests_in_flight", "requests being answered now",

@@ -7,15 +7,16 @@ encoder (perf/RESULTS.md, mixed traffic, 2026-12-04), while tokenizing the text 
 microseconds. Under bulk text traffic the tokenizer instances are busy too, and a query waits there.
 
 When the gateway can read the repository its Triton server loads (`pergola serve` passes it as
---triton-repository), an embed or rerank request of at most --gateway-tokenize-chars characters
-(a rerank request's query and documents together) is tokenized here with the same code
-(pergola.tokenization.TextTokenizer, pergola.rerank.RerankTokenizer), the same files (the served
-version's hf/ folder) and the same settings (the encoder's config.pbtxt parameters) as
-NAME_tokenizer, and its ids go to that version of NAME_encoder. Larger requests still go through the tokenizer
-instances in chunks, so a bulk request never holds the event loop (the tokenizing is done on
-it: a thread hand-off would cost about what a query's tokenizing does). A tokenizer is loaded in a
-worker thread the first time its (model, version) is asked for; until then, and after a failed
-load, requests take the ensemble's path.
+--triton-repository), an embed, rerank or classify request of at most --gateway-tokenize-chars
+characters (a rerank request's query and documents together) is tokenized here with the same
+code (pergola.tokenization.TextTokenizer, pergola.rerank.RerankTokenizer,
+pergola.classify.ClassifyTokenizer), the same files (the served version's hf/ folder) and the
+same settings (the encoder's config.pbtxt parameters) as NAME_tokenizer, and its ids go to that
+version of NAME_encoder. Larger requests still go through the tokenizer instances in chunks, so
+a bulk request never holds the event loop (the tokenizing is done on it: a thread hand-off
+would cost about what a query's tokenizing does). A tokenizer is loaded in a worker thread the
+first time its (model, version) is asked for; until then, and after a failed load, requests
+take the ensemble's path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from pergola.classify import ClassifyTokenizer
 from pergola.config import EngineConfig
 from pergola.gateway.catalog import ServedModel
 from pergola.rerank import RerankTokenizer
@@ -31,8 +33,8 @@ from pergola.tokenization import TextTokenizer
 
 log = logging.getLogger("pergola.gateway")
 Key = tuple[str, str]  # (the model behind a served name, its encoder's version)
-Tokenizer = TextTokenizer | RerankTokenizer
-TASKS = ("embed", "rerank")  # (a classifier's requests still go through its ensemble)
+Tokenizer = TextTokenizer | RerankTokenizer | ClassifyTokenizer
+TASKS = ("embed", "rerank", "classify")
 
 
 class LocalTokenizers:
@@ -70,6 +72,8 @@ class LocalTokenizers:
         cfg = EngineConfig(**{**model.settings, "model_dir": str(folder)})
         if model.task == "rerank":  # as rerank_tokenizer/model.py builds it
             return RerankTokenizer(cfg.spec(), config=cfg)
+        if model.task == "classify":  # as classify_tokenizer/model.py
+            return ClassifyTokenizer(cfg.spec(), cfg.text_limits())
         return TextTokenizer(cfg.spec(), model.text_limits())  # as tokenizer/model.py
 
     def _loaded(self, key: Key, task: asyncio.Task) -> None:
