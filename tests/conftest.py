@@ -118,7 +118,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank
     log = root / "tritonserver.log"
     proc = start(opts, log_path=log)
     try:
-        wait_ready(opts.http_port, proc, timeout=240)
+        wait_ready(opts.http_port, proc, timeout=240, metrics_port=opts.metrics_port)
     except Exception:
         proc.kill()
         text = log.read_text(errors="replace")
@@ -191,7 +191,7 @@ def start_serve(root: Path, model: str, *args: str, wait: bool = True) -> ServeP
                           log, gateway, metrics)
     if wait:
         try:
-            wait_ready(http, served.proc, timeout=240)
+            wait_ready(http, served.proc, timeout=240, metrics_port=metrics)
         except Exception:
             served.stop()
             raise AssertionError(served.log_tail())

@@ -33,7 +33,7 @@ def busy_server(tmp_path_factory, minilm_folder):
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     proc = start(opts, log_path=root / "server.log")
     try:
-        wait_ready(opts.http_port, proc, timeout=240)
+        wait_ready(opts.http_port, proc, timeout=240, metrics_port=opts.metrics_port)
         yield opts
     finally:
         proc.terminate()

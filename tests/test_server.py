@@ -139,3 +139,39 @@ def test_server_metrics_catch_up_after_a_burst(server, client):
     while requests_total() != before + 5 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert requests_total() == before + 5
+
+
+def test_wait_ready_waits_for_the_metrics_port_too():
+    """Triton starts its metrics service after the HTTP one; a caller that scrapes right after
+    readiness must not be refused (a CI run of test_overload once was)."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pergola.server import free_port, wait_ready
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    health = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=health.serve_forever, daemon=True).start()
+    metrics_port, metrics = free_port(), []
+
+    def metrics_later() -> None:
+        time.sleep(1.0)
+        metrics.append(ThreadingHTTPServer(("127.0.0.1", metrics_port), Ok))
+        metrics[0].serve_forever()
+
+    threading.Thread(target=metrics_later, daemon=True).start()
+    try:
+        wait_ready(health.server_address[1], None, timeout=10, metrics_port=metrics_port)
+        assert metrics, "wait_ready returned before the metrics port was up"
+    finally:
+        health.shutdown()
+        if metrics:
+            metrics[0].shutdown()

@@ -180,24 +180,30 @@ def free_port() -> int:
 
 
 def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float = 180.0,
-               host: str = "127.0.0.1", crashed: list[str] | None = None) -> None:
-    """Poll /v2/health/ready until the server and every model are up; give up at once when
-    `crashed` (see _forward_output) gets a line: a server hung in its crash handler neither
-    exits nor answers."""
+               host: str = "127.0.0.1", crashed: list[str] | None = None, metrics_port: int | None = None) -> None:
+    """Poll /v2/health/ready until the server and every model are up, and with `metrics_port`
+    its metrics too (Triton starts that service after the HTTP one: a scrape right after
+    readiness can be refused); give up at once when `crashed` (see _forward_output) gets a
+    line: a server hung in its crash handler neither exits nor answers."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout
-    url = f"http://{host}:{http_port}/v2/health/ready"
+    urls = [f"http://{host}:{http_port}/v2/health/ready"]
+    if metrics_port:
+        urls.append(f"http://{host}:{metrics_port}/metrics")
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise ServerError(f"tritonserver exited with code {process.returncode} before it was ready")
         if crashed:
             raise ServerError(f"tritonserver crashed before it was seen ready ({crashed[0]})")
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(urls[0], timeout=2) as r:
                 if r.status == 200:
-                    return
+                    urls.pop(0)
+                    if not urls:
+                        return
+                    continue
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
         time.sleep(0.5)
