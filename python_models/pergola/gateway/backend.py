@@ -19,14 +19,14 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput, InferRequestedOutput
 
 from pergola.admin import GRPC_API_KEY_HEADER
-from pergola.gateway.catalog import ServedModel
-from pergola.gateway.errors import GatewayError
-from pergola.gateway.replicas import ReplicaPool
+from pergola.classify import ClassifyTokenizer
 from pergola.errors import RequestError
+from pergola.gateway.catalog import ServedModel
+from pergola.gateway.errors import GatewayError, refused
 from pergola.gateway.metrics import INPUTS
+from pergola.gateway.replicas import ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
-from pergola.classify import ClassifyTokenizer
 from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
 
@@ -146,7 +146,7 @@ def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
 
 def _refused(error: RequestError) -> GatewayError:
     """The gateway's own tokenizer refusing a request, as Triton's refusal would come back."""
-    return _too_long(GatewayError(413 if "the limit is" in str(error) else 400, str(error)))
+    return _too_long(refused(str(error)))
 
 
 async def _numbered(start: int, call: Awaitable[T]) -> T:

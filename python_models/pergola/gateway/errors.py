@@ -50,6 +50,12 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 _OVERLOAD_MARKS = ("queued tokens", "Exceeds maximum queue size", "max_queue_seconds")
 
 
+def refused(message: str) -> GatewayError:
+    """A request refused by pergola's input checks (the engine's RequestError, here or in
+    Triton): 413 when it passed a limit, else 400."""
+    return GatewayError(413 if "the limit is" in message else 400, message)
+
+
 def from_triton(status: str, message: str) -> GatewayError:
     """A Triton error (gRPC status name, message) as the gateway's error."""
     code = status.rsplit(".", 1)[-1]
@@ -58,7 +64,7 @@ def from_triton(status: str, message: str) -> GatewayError:
     if "Request for unknown model" in message or code == "INVALID_ARGUMENT" and "is not found" in message:
         return GatewayError(404, message)
     if code == "INVALID_ARGUMENT":
-        return GatewayError(413 if "the limit is" in message else 400, message)
+        return refused(message)
     if code == "NOT_FOUND":
         return GatewayError(404, message)
     if code == "UNAVAILABLE" and any(mark in message for mark in _OVERLOAD_MARKS):

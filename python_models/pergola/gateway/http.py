@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pergola.errors import RequestError
-from pergola.gateway.errors import GatewayError, bad_request
+from pergola.gateway.errors import GatewayError, bad_request, refused
 
 log = logging.getLogger("pergola.gateway")
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
@@ -95,7 +95,7 @@ def error_response(exc: GatewayError | RequestError, family: str) -> Response:
     """An error in `family`'s envelope; the engine's own input checks (RequestError, run here
     before any work) are 413 when a limit was passed, else 400."""
     if isinstance(exc, RequestError):
-        exc = GatewayError(413 if "the limit is" in str(exc) else 400, str(exc))
+        exc = refused(str(exc))
     return JSONResponse(exc.body(family), status_code=exc.status, headers=exc.headers())
 
 
