@@ -5,6 +5,7 @@
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
+#                                              # archs_server vllm_server
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -118,11 +119,22 @@ for step in "$@"; do
       archs_perf bge-m3 bge_m3 ;;
     archs_perf_modernbert)  # gte-modernbert-base's shape, pergola vs vLLM's ModernBertModel, ~6 min
       archs_perf gte-modernbert modernbert ;;
+    archs_server)  # bge-m3's and gte-modernbert-base's shapes through pergola's server: batch-1 latency and
+      # throughput with HF transformers alongside, in the shared workdir vllm_server reuses (~3 min)
+      for model in bge-m3 gte-modernbert; do
+        run "server_${model//-/_}" python3 perf/bench_server.py --model "$model" --suites latency throughput \
+          --latency-n 40 --workdir /tmp/pergola-archs --out "$OUT/server_${model//-/_}.json"
+      done ;;
+    vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~7 min)
+      # shellcheck disable=SC1091
+      (source /tmp/vllm-site/env.sh && run vllm_server python3 perf/bench_vllm.py \
+        --models qwen3-0.6b bge-m3 gte-modernbert --suites server --workdir /tmp/pergola-archs \
+        --out "$OUT/vllm_server.json") ;;
     archs_perf)  # both of the above, ~13 min: over one 10-minute command, so run the two steps apart there
       archs_perf bge-m3 bge_m3
       archs_perf gte-modernbert modernbert ;;
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
-         "archs_perf_modernbert archs_perf)" >&2; exit 2 ;;
+         "archs_perf_modernbert archs_perf archs_server vllm_server)" >&2; exit 2 ;;
   esac
 done
