@@ -52,6 +52,34 @@ def test_lazy_capture_then_replay_equals_eager(minilm_folder):
     assert (stats.eager_warmups, stats.captures, stats.replays) == (1, 1, 1)
 
 
+def test_capture_on_a_thread_that_never_ran_a_matmul(minilm_folder):
+    """A step warmed up on one thread and captured on another (execute()'s thread answers a lone
+    query at once, the encode loop's thread captures the same bucket next): the capturing thread's
+    first matmul must not be the captured one (cublasCreate inside a capture invalidates it)."""
+    import threading
+
+    eager = Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda", enforce_eager=True))
+    graphed = Engine(EngineConfig(model_dir=str(minilm_folder), device="cuda"))
+    expected = embed(eager, TEXTS)
+    embed(graphed, TEXTS)  # warm-up, on this thread
+    results: list = []
+
+    def on_a_new_thread() -> None:
+        try:
+            results.append((embed(graphed, TEXTS), graphed.runner.last_mode))
+        except Exception as e:  # noqa: BLE001 - reported below
+            results.append(e)
+
+    worker = threading.Thread(target=on_a_new_thread)
+    worker.start()
+    worker.join()
+    assert not isinstance(results[0], Exception), results[0]
+    out, mode = results[0]
+    assert mode == "capture"
+    assert cosine_rows(out, expected).min() >= 0.9999
+    assert cosine_rows(embed(graphed, TEXTS), expected).min() >= 0.9999  # replay on this thread
+
+
 def test_batched_equals_single_on_gpu(gpu_engine):
     batched = embed(gpu_engine, TEXTS)
     singles = np.concatenate([embed(gpu_engine, [t]) for t in TEXTS])
