@@ -336,6 +336,23 @@ def test_unsupported_folders_are_refused_by_name(tmp_path, xlmr_folders):
         load_model_spec(folder)
 
 
+def test_relative_position_embeddings_are_refused(tmp_path, xlmr_folders):
+    """The folders carry the published "absolute" (vLLM reads it too); BERT's relative_key
+    variants would be served with the wrong positions, so they are refused by name."""
+    import json
+    import shutil
+
+    from pergola.hf_folder import ModelFolderError
+
+    for name in ("cls", "reranker"):
+        assert json.loads((xlmr_folders[name] / "config.json").read_text())["position_embedding_type"] == "absolute"
+    folder = shutil.copytree(xlmr_folders["cls"], tmp_path / "relative")
+    config = json.loads((folder / "config.json").read_text()) | {"position_embedding_type": "relative_key"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="position_embedding_type 'relative_key' is not supported"):
+        load_model_spec(folder)
+
+
 # --- Steps shaped like CUDA-graph buckets (the GPU path), on the CPU ------------------------------
 
 class LoopAttention:

@@ -253,6 +253,10 @@ def load_model_spec(
         raise ModelFolderError(
             f"{path}: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}"
         )
+    position_type = hf_config.get("position_embedding_type", "absolute")
+    if ARCHITECTURES[model_type] == "bert" and position_type not in ("absolute", None):
+        raise ModelFolderError(f"{path}: position_embedding_type {position_type!r} is not supported; "
+                               f"{model_type} folders are served with absolute position embeddings")
     archs = [str(a) for a in hf_config.get("architectures") or []]
     # A sequence-classification head: one label scores a pair (rerank), several classify a text.
     labels = len(hf_config.get("id2label") or {0: "LABEL_0"})

@@ -477,6 +477,16 @@ def _save_hf_model(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> Non
         path.chmod(0o644)
 
 
+def _publish_position_type(out: Path) -> None:
+    """config.json as the published BERT-family folders have it (bge-m3, bge-reranker-v2-m3,
+    RoBERTa): `"position_embedding_type": "absolute"`, which transformers 5 no longer writes and
+    vLLM 0.22 reads (AttributeError on an XLMRobertaConfig without it)."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config.setdefault("position_embedding_type", "absolute")
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def st_modules() -> Any:
     """sentence-transformers' module classes (Transformer, Pooling, Dense, Normalize): where 6.x
     keeps them, else `sentence_transformers.models` (5.x; deprecated in 6.x)."""
@@ -541,6 +551,7 @@ def make_xlm_roberta_folder(out_dir: str | Path, shape: str = "tiny", pooling: s
     model_class = XLMRobertaModel if model_type == "xlm-roberta" else RobertaModel
     model = perturb_(model_class(xlm_roberta_config(shape, vocab_size, model_type=model_type)), seed)
     _save_hf_model(model, out, _torch_dtype(dtype))
+    _publish_position_type(out)
     write_sentence_transformers_files(out, model.config.hidden_size, pooling, max_len, dense=dense)
     return out
 
@@ -575,6 +586,7 @@ def make_xlm_roberta_reranker_folder(out_dir: str | Path, shape: str = "tiny", s
     torch.manual_seed(seed)
     model = perturb_(XLMRobertaForSequenceClassification(xlm_roberta_config(shape, vocab_size, 1)), seed)
     _save_hf_model(model, out, _torch_dtype(dtype))
+    _publish_position_type(out)
     return out
 
 
