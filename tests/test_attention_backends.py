@@ -110,3 +110,55 @@ def test_gpu_backends_match_each_sequence_alone(name):
         capture(graph, lambda: out.copy_(attn(q, k, v, meta)))
         graph.replay()
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def per_sequence_band(q, k, v, lengths: list[int], causal: bool, window: int) -> torch.Tensor:
+    """SDPA on each sequence alone with keys |q - k| < window (causal: 0 <= q - k < window), FP32."""
+    out, start, group = [], 0, q.shape[1] // k.shape[1]
+    for n in lengths:
+        qs, ks, vs = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        d = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)[None, :]
+        mask = (d >= 0) & (d < window) if causal else d.abs() < window
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def band_attention(q, k, v, lengths: list[int], causal: bool, window: int) -> torch.Tensor:
+    from pergola.models.padded import BandAttention
+
+    meta = AttentionMetadata.build(lengths, q.device, causal, padded=False)
+    positions = torch.cat([torch.arange(n, device=q.device) for n in lengths])
+    return BandAttention(meta, positions, max(lengths))(q, k, v, window)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_band_attention_matches_each_sequence_alone(causal):
+    """The padded SDPA path (CPU, FP32 GPU): sequences longer and shorter than the window."""
+    lengths = [40, 3, 17, 70]
+    q, k, v = ragged_inputs(lengths, 4, 2, 16, "cpu", torch.float32)
+    got = band_attention(q, k, v, lengths, causal, window=9)
+    torch.testing.assert_close(got, per_sequence_band(q, k, v, lengths, causal, 9), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_window_matches_each_sequence_alone(causal):
+    """BF16 on the GPU, BandAttention takes FlashAttention-2's windowed varlen kernel: the same
+    band as the padded path (ModernBERT's 65 = 128 // 2 + 1; GQA as Gemma3), eager and replayed."""
+    from pergola.cudagraph import capture
+    from pergola.layers.attention import TorchFlashAttention
+
+    lengths, window = [300, 1, 64, 65, 66, 500], 65
+    q, k, v = ragged_inputs(lengths, 8, 4, 64, "cuda", torch.bfloat16)
+    assert TorchFlashAttention.takes(q)
+    expected = per_sequence_band(q, k, v, lengths, causal, window)
+    torch.testing.assert_close(band_attention(q, k, v, lengths, causal, window).float(), expected,
+                               atol=2e-2, rtol=2e-2)
+    meta = AttentionMetadata.build(lengths, q.device, causal, padded=False)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    capture(graph, lambda: out.copy_(TorchFlashAttention.windowed(q, k, v, meta, window)))
+    graph.replay()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -134,6 +134,26 @@ class TorchFlashAttention(AttentionBackend):
         )[0]
         return out
 
+    @staticmethod
+    def takes(q: torch.Tensor) -> bool:
+        """Whether the kernel runs `q`'s step: CUDA, fp16/bf16, head_dim <= 256, sm80 or later."""
+        return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+    @staticmethod
+    def windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 window: int) -> torch.Tensor:
+        """Sliding-window attention on the ragged tokens: keys with |q - k| < window (causal:
+        0 <= q - k < window). FlashAttention's window is inclusive, (left, right) = (window - 1,
+        window - 1), and its tiles outside the band are skipped, so the cost grows with
+        tokens x window instead of tokens x sequence length (models/padded.py's BandAttention
+        uses it where `takes(q)`). GQA: k/v may have fewer heads. Graph-safe as __call__."""
+        right = 0 if meta.causal else window - 1
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
+            0.0, meta.causal, False, window_size_left=window - 1, window_size_right=right,
+        )[0]
+
 
 class FlashAttention4(AttentionBackend):
     """FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL, module `flash_attn.cute`): varlen forward.
