@@ -39,6 +39,7 @@ from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY  # noqa: E402
 
 from pergola.gateway.app import spawn  # noqa: E402
+from pergola.gateway.metrics import inputs_by_tokenizer  # noqa: E402
 from pergola.gateway.options import GatewayOptions  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
 from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
@@ -167,8 +168,7 @@ def tokenizes_texts(port: int, timeout_s: float = 60.0) -> bool:
     while time.monotonic() < deadline:
         gw.embed(QUERY)
         gw.conn.request("GET", "/metrics")
-        text = gw.conn.getresponse().read().decode()
-        if any(line.startswith('pergola_gateway_embedded_texts_total{tokenized="gateway"}') for line in text.splitlines()):
+        if inputs_by_tokenizer(gw.conn.getresponse().read().decode()).get("gateway", 0) > 0:
             return True
         time.sleep(0.1)
     return False

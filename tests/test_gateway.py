@@ -212,15 +212,10 @@ SHORT_REQUESTS = {
 def tokenized_inputs(gw: Gateway | str) -> dict[str, float]:
     """The gateway's pergola_gateway_inputs_total by where they were tokenized (tasks summed);
     `gw`: a Gateway or its base URL."""
+    from pergola.gateway.metrics import inputs_by_tokenizer
+
     with urllib.request.urlopen(f"{getattr(gw, 'url', gw)}/metrics", timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    found: dict[str, float] = {}
-    for line in lines:
-        if line.startswith("pergola_gateway_inputs_total{"):
-            labels, value = line.rsplit(" ", 1)
-            where = labels.split('tokenized="')[1].split('"')[0]
-            found[where] = found.get(where, 0.0) + float(value)
-    return found
+        return inputs_by_tokenizer(r.read().decode())
 
 
 def tokenizer_loaded(gw: Gateway | str, model: str = "minilm", request: tuple[str, dict] | None = None) -> None:

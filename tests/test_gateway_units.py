@@ -125,3 +125,18 @@ nv_y 2.5
     assert first == ["# HELP nv_x requests", "# TYPE nv_x counter",
                      'nv_x{replica="10.0.0.1:8001",model="a",version="1"} 3', 'nv_y{replica="10.0.0.1:8001"} 2.5']
     assert second == ['nv_x{replica="10.0.0.2:8001",model="a",version="1"} 3', 'nv_y{replica="10.0.0.2:8001"} 2.5']
+
+
+def test_inputs_by_tokenizer_reads_the_exposition_prometheus_writes():
+    """What benchmarks and tests read from /metrics: the counter summed over tasks, by tokenizer."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from pergola.gateway.metrics import INPUTS, inputs_by_tokenizer
+
+    registry = CollectorRegistry()
+    inputs = Counter(INPUTS._name, INPUTS._documentation, INPUTS._labelnames, registry=registry)
+    inputs.labels("embed", "gateway").inc(3)
+    inputs.labels("rerank", "gateway").inc(2)
+    inputs.labels("embed", "triton").inc()
+    assert inputs_by_tokenizer(generate_latest(registry).decode()) == {"gateway": 5.0, "triton": 1.0}
+    assert inputs_by_tokenizer("") == {}

@@ -44,6 +44,21 @@ IN_FLIGHT = Gauge("pergola_gateway_requests_in_flight", "requests being answered
                   multiprocess_mode="livesum")
 
 
+def inputs_by_tokenizer(exposition: str) -> dict[str, float]:
+    """pergola_gateway_inputs_total summed over tasks, by where the inputs were tokenized
+    ({"gateway": n, "triton": m}), from a /metrics page's text (benchmarks and tests read it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name == "pergola_gateway_inputs":
+            for sample in family.samples:
+                if sample.name == "pergola_gateway_inputs_total":
+                    where = sample.labels["tokenized"]
+                    found[where] = found.get(where, 0.0) + sample.value
+    return found
+
+
 class StatusSend:
     """An ASGI `send` that remembers the answer's status: 500 until one starts (what the client
     sees when the app fails before answering)."""
