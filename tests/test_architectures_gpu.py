@@ -1,6 +1,7 @@
 """Each architecture of tests/test_architectures.py in its published shape, BF16 on the GPU, against
-sentence-transformers / transformers in FP32 on the same folder (cosine >= 0.999; reranker scores
-within 1e-2), through eager warm-up, CUDA-graph capture and replay, and batched against single.
+sentence-transformers / transformers in FP32 on the same folder (cosine >= 0.999, or
+as close as sentence-transformers' own BF16 gets where seeded weights make that lower; reranker
+scores within 1e-2), through eager warm-up, CUDA-graph capture and replay, and batched against single.
 
 Marked `gpu`: skipped without CUDA. Folders are seeded random weights (no weights of these models
 are available offline) written as Hugging Face writes them: bge-m3 / bge-reranker-v2-m3
@@ -52,6 +53,22 @@ def embed(engine: Engine, texts: list[str]) -> np.ndarray:
     return finish(engine.encode([EncodeRequest(enc.input_ids, enc.lengths)])[0], 0, engine.spec.normalize)
 
 
+def bf16_bound(folder: Path, reference: np.ndarray) -> float:
+    """The cosine to FP32 that pergola's BF16 must reach: 0.999, or sentence-transformers' own in
+    BF16 less 5e-4 where that is lower. Seeded random weights in a deep published shape carry
+    BF16's rounding further than trained ones: on gte-Qwen2-1.5B's shape (28 layers, last-token
+    pooling) transformers' BF16 reaches 0.9977 (perf/RESULTS.md, 2026-12-05)."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cuda", model_kwargs={"dtype": torch.bfloat16})
+    theirs = cosine_rows(st.encode(GPU_TEXTS, convert_to_numpy=True, batch_size=4).astype(np.float32),
+                         reference).min()
+    del st
+    torch.cuda.empty_cache()
+    print(f"sentence-transformers BF16 vs FP32: min cosine {theirs:.5f}")
+    return min(0.999, float(theirs) - 5e-4)
+
+
 @pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet", "qwen2", "gemma3", "modernbert"])
 def test_bf16_matches_fp32_reference(tmp_path, kind):
     from sentence_transformers import SentenceTransformer
@@ -61,13 +78,14 @@ def test_bf16_matches_fp32_reference(tmp_path, kind):
     reference = st.encode(GPU_TEXTS, convert_to_numpy=True, batch_size=4)
     del st
     torch.cuda.empty_cache()
+    bound = bf16_bound(folder, reference)
     engine = Engine(EngineConfig(model_dir=str(folder), device="cuda"))
     assert engine.runner.dtype == torch.bfloat16
     modes = []
     for _ in range(3):  # eager warm-up, capture, replay where the step fits a graph
         out = embed(engine, GPU_TEXTS)
         modes.append(engine.runner.last_mode)
-        assert cosine_rows(out, reference).min() >= 0.999, (kind, modes)
+        assert cosine_rows(out, reference).min() >= bound, (kind, modes, bound)
     singles = np.concatenate([embed(engine, [t]) for t in GPU_TEXTS])
     assert cosine_rows(out, singles).min() >= 0.999
     print(kind, modes)

@@ -37,16 +37,18 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"m3": make_bge_m3_folder(root / "m3", seed=11), "plain": make_xlm_roberta_folder(root / "plain", seed=12)}
 
 
-def flag_embedding(folder: Path, texts: list[str]) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
+def flag_embedding(folder: Path, texts: list[str], dtype: torch.dtype = torch.float32
+                   ) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
     """FlagEmbedding's BGEM3 inference on `texts`, one at a time (no padding): dense = the CLS
     state normalised; lexical weights = {token id: max ReLU(sparse_linear(h))} without cls / eos /
-    pad / unk and zero weights; ColBERT = normalize(colbert_linear(h[1:]))."""
+    pad / unk and zero weights; ColBERT = normalize(colbert_linear(h[1:])). `dtype`: the model's
+    and the heads' (BF16: what transformers itself gets in BF16, the yardstick for pergola's)."""
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(str(folder), dtype=dtype).eval()
     hidden = model.config.hidden_size
-    sparse, colbert = torch.nn.Linear(hidden, 1), torch.nn.Linear(hidden, hidden)
+    sparse, colbert = torch.nn.Linear(hidden, 1, dtype=dtype), torch.nn.Linear(hidden, hidden, dtype=dtype)
     sparse.load_state_dict(torch.load(folder / "sparse_linear.pt", weights_only=True))
     colbert.load_state_dict(torch.load(folder / "colbert_linear.pt", weights_only=True))
     unused = {tok.cls_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
@@ -55,14 +57,14 @@ def flag_embedding(folder: Path, texts: list[str]) -> tuple[np.ndarray, list[dic
         for text in texts:
             feats = tok(text, truncation=True, max_length=512, return_tensors="pt")
             h = model(**feats).last_hidden_state[0]  # [L, H]
-            dense.append(torch.nn.functional.normalize(h[0], dim=-1).numpy())
-            weights = torch.relu(sparse(h)).squeeze(-1)
+            dense.append(torch.nn.functional.normalize(h[0].float(), dim=-1).numpy())
+            weights = torch.relu(sparse(h)).squeeze(-1).float()
             lex: dict[int, float] = {}
             for w, idx in zip(weights.tolist(), feats["input_ids"][0].tolist()):
                 if idx not in unused and w > 0 and w > lex.get(idx, 0.0):
                     lex[idx] = w
             lexical.append(lex)
-            multi.append(torch.nn.functional.normalize(colbert(h[1:]), dim=-1).numpy())
+            multi.append(torch.nn.functional.normalize(colbert(h[1:]).float(), dim=-1).numpy())
     return np.stack(dense), lexical, multi
 
 
@@ -134,6 +136,12 @@ def lexical_cosine(got: dict[int, float], want: dict[int, float]) -> float:
     return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
 
 
+def lexical_max_error(got: dict[int, float], want: dict[int, float]) -> float:
+    """The largest difference of two lexical weight maps over every token id in either (a missing
+    id weighs 0)."""
+    return max((abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want)), default=0.0)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_sparse_request_gets_only_the_sparse_column(folders, device):
     """A request for sparse alone takes one column of the per-token rows; in a step beside one
@@ -157,13 +165,19 @@ def test_a_sparse_request_gets_only_the_sparse_column(folders, device):
 def test_gpu_gives_flag_embeddings_outputs(tmp_path, shape, dtype):
     """On the GPU, batched and one text at a time, three times (BF16: eager warm-up, CUDA-graph
     capture and replay; FP32: the padded SDPA path without lanes) against FP32 FlagEmbedding:
-    FP32 within 1e-3; BF16 dense and ColBERT cosine >= 0.999 and lexical weights as vectors
-    cosine >= 0.99 (in the published shape a seeded random 24-layer stack carries BF16's error
-    into every token alike, which shifts weights by more than an element-wise bound allows)."""
+    FP32 within 1e-3; BF16 dense and ColBERT cosine >= 0.999, lexical weights no further from
+    FP32's than twice what the same formulas in BF16 in transformers get (largest difference over
+    every token id). In the published shape a seeded random 24-layer stack leaves most weights
+    near zero, where BF16's rounding turns them on or off: transformers' own BF16 differs from its
+    FP32 by up to 0.09 on weights of up to 0.32, and a text's weights as vectors can have cosine 0
+    (perf/RESULTS.md, 2026-12-05)."""
     from pergola.testing import make_bge_m3_folder
 
     folder = make_bge_m3_folder(tmp_path / shape, shape=shape, seed=13)
     dense, reference, multi = flag_embedding(folder, XLMR_TEXTS)
+    if dtype == "bfloat16":
+        theirs = flag_embedding(folder, XLMR_TEXTS, torch.bfloat16)[1]
+        lexical_bound = 2 * max(lexical_max_error(got, want) for got, want in zip(theirs, reference)) + 1e-3
     engine = Engine(EngineConfig(model_dir=str(folder), dtype=dtype, device="cuda"))
     for _ in range(3):
         for texts, first in [(XLMR_TEXTS, 0)] + [([t], i) for i, t in enumerate(XLMR_TEXTS)]:
@@ -175,7 +189,7 @@ def test_gpu_gives_flag_embeddings_outputs(tmp_path, shape, dtype):
                 assert_colbert_equal(vectors, offsets, multi[first:first + len(texts)], atol=1e-3)
                 continue
             assert cosine_rows(pooled, dense[first:first + len(texts)]).min() >= 0.999
-            assert min(lexical_cosine(got, want) for got, want in zip(lexical, wanted)) >= 0.99
+            assert max(lexical_max_error(got, want) for got, want in zip(lexical, wanted)) <= lexical_bound
             for i in range(len(texts)):
                 assert cosine_rows(vectors[offsets[i]:offsets[i + 1]], multi[first + i]).min() >= 0.999
     if dtype == "bfloat16":
