@@ -81,10 +81,13 @@ WHEELS = [
 FLASHINFER = "flashinfer-python==0.5.3"
 # FlashInfer JIT-compiles its kernels on first use (fa2 ~21 s, fa3 ~66 s on the H200). When nvcc is
 # here, the bundle carries them prebuilt for Hopper instead: the modules pergola's flashinfer_fa2 /
-# flashinfer_fa3 backends load for BF16 with head_dim 128 (Qwen3), as FlashInfer's "AOT" modules.
+# flashinfer_fa3 backends load for BF16 with head_dim 128 (Qwen3) and 64 (bge-m3 / XLM-R large,
+# gte-modernbert-base, MPNet), as FlashInfer's "AOT" modules. Without a built module the start-up
+# probe leaves FlashInfer out (attention.flashinfer_ready): bge-m3 at 4,096 tokens then ran on
+# PyTorch's FA2, behind HF transformers' SDPA (perf/RESULTS.md, 2026-12-05).
 FLASHINFER_ARCH = "9.0a"
 CURAND = "nvidia-curand==10.4.5.25"  # cuRAND headers (CUDA 13) that the FA3 template includes
-FLASHINFER_AOT = [("fa2", 128), ("fa3", 128)]
+FLASHINFER_AOT = [("fa2", 128), ("fa3", 128), ("fa2", 64), ("fa3", 64)]
 FLASHINFER_IMPORT_DEPS = ["nvidia-ml-py", "einops", "tabulate", "requests", "tqdm", "packaging", "click",
                           "filelock", "ninja"]
 # FlashAttention-4 (pure Python) and what it imports that the GPU host may lack. Its CuTe DSL needs
@@ -314,7 +317,8 @@ def cuda_home_for_build() -> Path:
 def build_flashinfer_aot(fi_whl: Path, tvm_whl: Path) -> Path | None:
     # The modules are C ABI (tvm-ffi), not tied to a Python version: they build with this interpreter.
     """tar.xz of prebuilt FlashInfer modules (<name>/<name>.so, unpacked into flashinfer/data/aot)."""
-    out = CACHE / f"flashinfer-aot-{sha256_file(fi_whl)[:12]}-sm{FLASHINFER_ARCH.replace('.', '')}.tar.xz"
+    modules = "-".join(f"{backend}d{dim}" for backend, dim in FLASHINFER_AOT)
+    out = CACHE / f"flashinfer-aot-{sha256_file(fi_whl)[:12]}-sm{FLASHINFER_ARCH.replace('.', '')}-{modules}.tar.xz"
     if out.is_file():
         return out
     if not shutil.which("nvcc"):

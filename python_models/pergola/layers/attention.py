@@ -214,7 +214,11 @@ class FlashInferAttention(AttentionBackend):
     needs_plan = True
     graph_safe = True
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, workspace_mb: int = 128) -> None:
+    # The float workspace holds split-kv partials: FA2 with 16 heads of 64 (bge-m3's shape) asked
+    # for 149 MiB on a probe step of the H200 run of 2026-12-05 (pytest_archs.log) and was dropped.
+    WORKSPACE_MB = 256
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, workspace_mb: int = WORKSPACE_MB) -> None:
         if device.type != "cuda":
             raise ValueError(f"attention backend {self.name} needs a CUDA device")
         import flashinfer  # optional dependency: pip install flashinfer-python
