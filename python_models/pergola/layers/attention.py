@@ -134,10 +134,14 @@ class TorchFlashAttention(AttentionBackend):
         )[0]
         return out
 
-    @staticmethod
-    def takes(q: torch.Tensor) -> bool:
-        """Whether the kernel runs `q`'s step: CUDA, fp16/bf16, head_dim <= 256, sm80 or later."""
-        return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    # Whether this PyTorch's kernel takes a window (its schema names window_size_left).
+    HAS_WINDOW: ClassVar[bool] = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+
+    @classmethod
+    def takes(cls, q: torch.Tensor) -> bool:
+        """Whether the windowed kernel runs `q`'s step: CUDA, fp16/bf16, head_dim <= 256, sm80 or
+        later, and a PyTorch whose kernel takes a window."""
+        return (cls.HAS_WINDOW and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
                 and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
     @staticmethod
