@@ -211,3 +211,29 @@ def test_keys_and_fill_together_agree_with_the_unpadded_step(buffers):
             got = pool(hidden, padded.meta.cu_seqlens, padded.seq_ids, mode, padded.token_weights)
             assert got.shape == (s, 6)
             torch.testing.assert_close(got[:b], want, rtol=1e-5, atol=1e-5, msg=mode)
+
+
+def test_a_failed_capture_leaves_its_bucket_eager(monkeypatch, caplog):
+    """Warm-up, then a capture that raises: the step is computed eagerly (its outputs real), the
+    failure logged and counted, and the bucket never captured again; other buckets unaffected."""
+    from pergola.engine import graphs
+
+    calls: list[tuple[int, int]] = []
+    captures: list[tuple[int, int]] = []
+
+    def failing_capture(graph, fn, pool=None):
+        captures.append(key)
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(graphs, "capture", failing_capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)  # (needs a GPU; the capture is the fake above)
+    cache = GraphCache(lambda s, t: calls.append((s, t)), MAX_TOKENS, MAX_SEQS)
+    key = cache.key_for(3, 100)
+    with caplog.at_level("WARNING", logger="pergola.graphs"):
+        modes = [cache.run(key) for _ in range(4)]
+    assert modes == ["warmup", "eager", "eager", "eager"]
+    assert calls == [key] * 4 and captures == [key]  # every step computed; one capture tried
+    assert cache.stats.failed_captures == 1 and key in cache.uncapturable and not cache.graphs
+    assert "capture for 4 seqs x 128 tokens failed (RuntimeError" in caplog.text
+    other = cache.key_for(1, 600)
+    assert cache.run(other) == "warmup" and other not in cache.uncapturable

@@ -4,6 +4,9 @@ A key's first use runs eagerly on the padded static buffers (warm-up: kernel sel
 workspaces), its second use captures, later uses replay: one driver call for the whole forward,
 so small batches are no longer bound by Python and kernel launches. Start-up captures nothing.
 Above `max_graph_tokens` (the crossover where GPU time dwarfs launch cost) steps run eagerly.
+A capture that fails leaves its bucket eager for good (logged, counted): nothing runs during a
+capture, so the device is as it was, and a step that can be computed must not end the server
+(a capture once failed on a thread without a cuBLAS handle and took the encoder down, 1c7126f).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class GraphStats:
     eager_warmups: int = 0
     captures: int = 0
     replays: int = 0
+    failed_captures: int = 0
     keys: set[tuple[int, int]] = field(default_factory=set)
 
 
@@ -63,6 +67,7 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.seen: set[tuple[int, int]] = set()
+        self.uncapturable: set[tuple[int, int]] = set()  # keys whose capture failed: eager from then on
         self.stats = GraphStats()
 
     def key_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
@@ -81,13 +86,24 @@ class GraphCache:
             graph.replay()
             self.stats.replays += 1
             return "replay"
+        if key in self.uncapturable:
+            self.forward(*key)
+            return "eager"
         if key not in self.seen:
             self.seen.add(key)
             self.forward(*key)
             self.stats.eager_warmups += 1
             return "warmup"
         graph = torch.cuda.CUDAGraph()
-        capture(graph, lambda: self.forward(*key), self.pool)
+        try:
+            capture(graph, lambda: self.forward(*key), self.pool)
+        except Exception as e:  # noqa: BLE001 - computed eagerly instead; a poisoned device fails there
+            self.uncapturable.add(key)
+            self.stats.failed_captures += 1
+            log.warning("CUDA graph capture for %d seqs x %d tokens failed (%s: %s); that bucket runs "
+                        "eagerly from now on", key[0], key[1], type(e).__name__, str(e).splitlines()[0][:200])
+            self.forward(*key)
+            return "eager"
         # Capture records without executing: replay once so this step's outputs are real.
         graph.replay()
         self.graphs[key] = graph
