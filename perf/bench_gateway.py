@@ -7,8 +7,8 @@ gateway (HTTP/JSON, OpenAI route), against one tritonserver on this machine.
                the same drift of the machine's speed): 128 pre-tokenized tokens (NAME_encoder vs
                /v1/embeddings with token ids) and a ~8-word text query (`embed` ensemble vs
                /v1/embeddings, tokenized in the gateway as `pergola serve` runs it, and through a
-               second gateway that sends texts through the ensemble); the gateway's added p50 is
-               the difference
+               second gateway that sends texts through the ensemble); the gateway's answers as float
+               JSON and as base64 (the openai SDK's default); the gateway's added p50 is the difference
   throughput   batch 100 x 512 tokens pre-tokenized, four client processes (base64 answers, as
                the openai SDK asks) vs the same through tritonclient
   concurrency  512-token texts, 1 / 4 / 16 in flight (one keep-alive connection per client thread)
@@ -229,11 +229,14 @@ def main() -> None:
         ids = [[s] for s in windows.ids(128, 20, seed=128)]
         res["latency_128_tokens"] = time_paired({
             "triton_grpc": lambda x: infer_tokens(client, mod, x),
-            "gateway": lambda x: gw.embed([x[0].tolist()])}, ids, args.latency_n)
+            "gateway": lambda x: gw.embed([x[0].tolist()]),
+            # base64 answers: what the openai SDK asks for (decoding float JSON costs the client more)
+            "gateway_base64": lambda x: gw.embed([x[0].tolist()], base64_out=True)}, ids, args.latency_n)
         via_ensemble = Gateway(ensemble_port)  # the same text through the `embed` ensemble's tokenizer
         res["latency_text_query"] = time_paired({
             "triton_grpc": lambda x: infer_text(client, mod, x),
             "gateway": lambda x: gw.embed(x[0]),
+            "gateway_base64": lambda x: gw.embed(x[0], base64_out=True),
             "gateway_via_ensemble": lambda x: via_ensemble.embed(x[0])}, [[QUERY]], args.latency_n)
         for suite in ("latency_128_tokens", "latency_text_query"):
             row = res[suite]
