@@ -136,6 +136,7 @@ class TooLong(GatewayError):
 
 
 T = TypeVar("T")
+E = TypeVar("E")  # an encoding made by one of the gateway's tokenizers
 
 
 def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
@@ -144,9 +145,28 @@ def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
     return error if found is None else TooLong(start + int(found[1]), int(found[2]), error.message)
 
 
-def _refused(error: RequestError) -> GatewayError:
-    """The gateway's own tokenizer refusing a request, as Triton's refusal would come back."""
-    return _too_long(refused(str(error)))
+def _encoded_here(encode: Callable[[], E]) -> E:
+    """The gateway's own tokenizing (gateway/tokenizers.py); a refusal comes back as Triton's would."""
+    try:
+        return encode()
+    except RequestError as e:
+        raise _too_long(refused(str(e))) from None
+
+
+def _id_inputs(enc: Any, token_types: bool = False, raw_scores: bool = False) -> list[InferInput]:
+    """An encoding made here as NAME_encoder's inputs: [1, T] ids, [1, n] lengths, the token types
+    (pairs), RAW_SCORES when asked."""
+    inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32")]
+    if token_types:
+        inputs.append(_tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :], "INT64"))
+    if raw_scores:
+        inputs.append(_tensor("RAW_SCORES", np.array([[True]]), "BOOL"))
+    return inputs
+
+
+def _truncate(model: ServedModel, asked: str | None) -> str:
+    """The request's truncation, else the served model's default."""
+    return asked if asked is not None else model.limit("truncate")
 
 
 async def _numbered(start: int, call: Awaitable[T]) -> T:
@@ -251,12 +271,9 @@ class Backend:
     def _tokenized_here(model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
                         opts: EmbedOptions) -> tuple[list[InferInput], np.ndarray]:
         """`texts` tokenized as NAME_tokenizer would -> NAME_encoder's inputs and each text's tokens."""
-        try:
-            enc = tokenizer.encode(texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens,
-                                   truncate=opts.truncate if opts.truncate is not None else model.limit("truncate"))
-        except RequestError as e:
-            raise _refused(e) from None
-        inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32")]
+        enc = _encoded_here(lambda: tokenizer.encode(texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens,
+                                                     truncate=_truncate(model, opts.truncate)))
+        inputs = _id_inputs(enc)
         if enc.prompt_lengths.any():
             inputs.append(_tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :], "INT32"))
         return inputs + _encoder_options(opts, [1, 1]), enc.lengths
@@ -355,16 +372,10 @@ class Backend:
     async def _rerank_here(self, model: ServedModel, tokenizer: RerankTokenizer, query: str, documents: list[str],
                            opts: RerankOptions) -> Reranked:
         """The pairs tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
-        try:
-            enc = tokenizer.encode(query, documents, max_document_tokens=opts.max_document_tokens,
-                                   instruction=opts.instruction,
-                                   truncate=opts.truncate if opts.truncate is not None else model.limit("truncate"))
-        except RequestError as e:
-            raise _refused(e) from None
-        inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32"),
-                  _tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :], "INT64")]
-        if opts.raw_scores:
-            inputs.append(_tensor("RAW_SCORES", np.array([[True]]), "BOOL"))
+        enc = _encoded_here(lambda: tokenizer.encode(query, documents, max_document_tokens=opts.max_document_tokens,
+                                                     instruction=opts.instruction,
+                                                     truncate=_truncate(model, opts.truncate)))
+        inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
         result = await self._infer(f"{model.target}_encoder", inputs, ["SCORE"], version=model.version or "")
         return Reranked(result.as_numpy("SCORE"), enc.lengths)
 
@@ -415,17 +426,10 @@ class Backend:
 
         def one_here(tokenizer: ClassifyTokenizer) -> Callable[[list[int], bool], Awaitable[Classified]]:
             async def call(index: list[int], paired: bool) -> Classified:
-                try:
-                    enc = tokenizer.encode([texts[i] for i in index], [pairs[i] for i in index] if paired else None,  # type: ignore[misc]
-                                           truncate=opts.truncate if opts.truncate is not None
-                                           else model.limit("truncate"))
-                except RequestError as e:
-                    raise _refused(e) from None
-                inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"),
-                          _tensor("LENGTHS", enc.lengths[None, :], "INT32"),
-                          _tensor("TOKEN_TYPE_IDS", enc.token_type_ids[None, :], "INT64")]
-                if opts.raw_scores:
-                    inputs.append(_tensor("RAW_SCORES", np.array([[True]]), "BOOL"))
+                enc = _encoded_here(lambda: tokenizer.encode(
+                    [texts[i] for i in index], [pairs[i] for i in index] if paired else None,  # type: ignore[misc]
+                    truncate=_truncate(model, opts.truncate)))
+                inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
                 result = await self._infer(f"{model.target}_encoder", inputs, ["PROBS", "LABELS"],
                                            version=model.version or "")
                 return _classified(result, enc.lengths)

@@ -128,11 +128,15 @@ class TorchFlashAttention(AttentionBackend):
     graph_safe = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = torch.ops.aten._flash_attention_forward(
+        return self._forward(q, k, v, meta)
+
+    @staticmethod
+    def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 **window: int) -> torch.Tensor:
+        return torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
-            0.0, meta.causal, False,
+            0.0, meta.causal, False, **window,
         )[0]
-        return out
 
     # Whether this PyTorch's kernel takes a window (its schema names window_size_left).
     HAS_WINDOW: ClassVar[bool] = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
@@ -152,11 +156,8 @@ class TorchFlashAttention(AttentionBackend):
         window - 1), and its tiles outside the band are skipped, so the cost grows with
         tokens x window instead of tokens x sequence length (models/padded.py's BandAttention
         uses it where `takes(q)`). GQA: k/v may have fewer heads. Graph-safe as __call__."""
-        right = 0 if meta.causal else window - 1
-        return torch.ops.aten._flash_attention_forward(
-            q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
-            0.0, meta.causal, False, window_size_left=window - 1, window_size_right=right,
-        )[0]
+        return TorchFlashAttention._forward(q, k, v, meta, window_size_left=window - 1,
+                                            window_size_right=0 if meta.causal else window - 1)
 
 
 class FlashAttention4(AttentionBackend):
