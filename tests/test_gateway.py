@@ -278,15 +278,27 @@ def test_requests_tokenized_in_the_gateway_equal_the_ensembles(gateway, ensemble
 
 
 def test_only_short_requests_are_tokenized_in_the_gateway(gateway, ensemble_gateway):
+    """Up to --gateway-tokenize-chars (4,096 here) a request is tokenized in the gateway (TEXTS,
+    2,535 characters: on a tokenizing thread, over the 1,024 done on the event loop) with the
+    ensemble's answer; a larger one goes through Triton's tokenizer."""
+    from pergola.gateway.tokenizers import INLINE_CHARS
+
+    assert INLINE_CHARS < sum(map(len, TEXTS)) <= 4096 < 2 * sum(map(len, TEXTS))
     tokenizer_loaded(gateway)
     before, before_e = tokenized_inputs(gateway), tokenized_inputs(ensemble_gateway)
     call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS[:3]})
+    _, threaded, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS})
     call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS * 2})  # 5,070 characters
     call(ensemble_gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS[:3]})
+    _, through_triton, _ = call(ensemble_gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS})
     after, after_e = tokenized_inputs(gateway), tokenized_inputs(ensemble_gateway)
-    assert after["gateway"] - before["gateway"] == 3
+    assert after["gateway"] - before["gateway"] == 3 + len(TEXTS)
     assert after["triton"] - before.get("triton", 0.0) == 2 * len(TEXTS)
-    assert after_e["triton"] - before_e.get("triton", 0.0) == 3 and after_e.get("gateway", 0.0) == 0
+    assert after_e["triton"] - before_e.get("triton", 0.0) == 3 + len(TEXTS) and after_e.get("gateway", 0.0) == 0
+    assert threaded["usage"] == through_triton["usage"]
+    np.testing.assert_allclose(rows_of("/v1/embeddings", threaded, False), rows_of("/v1/embeddings", through_triton,
+                                                                                   False),
+                               rtol=0, atol=1e-6 if TEST_DEVICE == "cpu" else 2e-3)
 
 
 # --- truncation, token limits, instructions ----------------------------------------------------

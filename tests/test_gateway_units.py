@@ -140,3 +140,43 @@ def test_inputs_by_tokenizer_reads_the_exposition_prometheus_writes():
     inputs.labels("embed", "triton").inc()
     assert inputs_by_tokenizer(generate_latest(registry).decode()) == {"gateway": 5.0, "triton": 1.0}
     assert inputs_by_tokenizer("") == {}
+
+
+def test_short_requests_tokenize_on_the_loop_and_longer_ones_on_a_thread():
+    """A query's tokenizing stays on the event loop (a thread hand-off would cost about as much);
+    a longer request's goes to a tokenizing thread, so the loop keeps serving meanwhile."""
+    import threading
+
+    from pergola.gateway.tokenizers import INLINE_CHARS, LocalTokenizers
+
+    tokenizers = LocalTokenizers(None, 0, threads=2)
+
+    async def where(chars: int) -> str:
+        return await tokenizers.run(chars, lambda: threading.current_thread().name)
+
+    async def main() -> tuple[str, str, str, str]:
+        loop_thread = threading.current_thread().name
+        return loop_thread, await where(5), await where(INLINE_CHARS), await where(INLINE_CHARS + 1)
+
+    try:
+        loop_thread, short, limit, longer = asyncio.run(main())
+    finally:
+        tokenizers.close()
+    assert short == limit == loop_thread
+    assert longer.startswith("pergola-tokenize")
+
+
+def test_a_refusal_on_a_tokenizing_thread_reaches_the_request():
+    from pergola.errors import RequestError
+    from pergola.gateway.tokenizers import INLINE_CHARS, LocalTokenizers
+
+    tokenizers = LocalTokenizers(None, 0, threads=1)
+
+    def refuse() -> None:
+        raise RequestError("TEXT[0] has more than 8 tokens")
+
+    try:
+        with pytest.raises(RequestError, match="more than 8 tokens"):
+            asyncio.run(tokenizers.run(INLINE_CHARS + 1, refuse))
+    finally:
+        tokenizers.close()

@@ -43,6 +43,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
         try:
             yield
         finally:
+            gateway.backend.tokenizers.close()
             await gateway.pool.close()
 
     keys = Keys(api_keys(opts))

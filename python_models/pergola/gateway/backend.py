@@ -145,14 +145,6 @@ def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
     return error if found is None else TooLong(start + int(found[1]), int(found[2]), error.message)
 
 
-def _encoded_here(encode: Callable[[], E]) -> E:
-    """The gateway's own tokenizing (gateway/tokenizers.py); a refusal comes back as Triton's would."""
-    try:
-        return encode()
-    except RequestError as e:
-        raise _too_long(refused(str(e))) from None
-
-
 def _id_inputs(enc: Any, token_types: bool = False, raw_scores: bool = False) -> list[InferInput]:
     """An encoding made here as NAME_encoder's inputs: [1, T] ids, [1, n] lengths, the token types
     (pairs), RAW_SCORES when asked."""
@@ -231,6 +223,14 @@ class Backend:
         # Triton's inference is behind the first key when `pergola serve --api-key` started it
         self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
 
+    async def _encoded_here(self, texts: list[str], encode: Callable[[], E]) -> E:
+        """The gateway's own tokenizing of `texts` (gateway/tokenizers.py: on the loop or a
+        thread, by size); a refusal comes back as Triton's would."""
+        try:
+            return await self.tokenizers.run(sum(map(len, texts)), encode)
+        except RequestError as e:
+            raise _too_long(refused(str(e))) from None
+
     async def _infer(self, model: str, inputs: list[InferInput], outputs: list[str], version: str = ""):
         """One Triton call on the least busy replica (another one if it is busy or gone)."""
         requested = [InferRequestedOutput(name) for name in outputs]
@@ -267,12 +267,11 @@ class Backend:
         INPUTS.labels(model.task, "triton").inc(len(texts))
         return await ensemble()
 
-    @staticmethod
-    def _tokenized_here(model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                        opts: EmbedOptions) -> tuple[list[InferInput], np.ndarray]:
+    async def _tokenized_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
+                              opts: EmbedOptions) -> tuple[list[InferInput], np.ndarray]:
         """`texts` tokenized as NAME_tokenizer would -> NAME_encoder's inputs and each text's tokens."""
-        enc = _encoded_here(lambda: tokenizer.encode(texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens,
-                                                     truncate=_truncate(model, opts.truncate)))
+        enc = await self._encoded_here(texts, lambda: tokenizer.encode(
+            texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens, truncate=_truncate(model, opts.truncate)))
         inputs = _id_inputs(enc)
         if enc.prompt_lengths.any():
             inputs.append(_tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, :], "INT32"))
@@ -282,7 +281,7 @@ class Backend:
                           opts: EmbedOptions) -> Embedded:
         """`texts` tokenized here, their ids to the same version of NAME_encoder."""
         output, dtype = OUTPUTS[opts.encoding]
-        inputs, tokens = self._tokenized_here(model, tokenizer, texts, opts)
+        inputs, tokens = await self._tokenized_here(model, tokenizer, texts, opts)
         result = await self._infer(f"{model.target}_encoder", inputs, [output], version=model.version or "")
         return Embedded(result.as_numpy(output).view(dtype), tokens)
 
@@ -306,7 +305,7 @@ class Backend:
         asked = np.array([o.encode() for o in outputs], dtype=object)
 
         async def here(tokenizer: TextTokenizer) -> PerToken:
-            inputs, tokens = self._tokenized_here(model, tokenizer, texts, opts)
+            inputs, tokens = await self._tokenized_here(model, tokenizer, texts, opts)
             r = await self._infer(f"{model.target}_encoder", [*inputs, _tensor("OUTPUTS", asked[None, :], "BYTES")],
                                   _PER_TOKEN[:-1], version=model.version or "")
             return _per_token_answer(r, tokens)
@@ -372,9 +371,9 @@ class Backend:
     async def _rerank_here(self, model: ServedModel, tokenizer: RerankTokenizer, query: str, documents: list[str],
                            opts: RerankOptions) -> Reranked:
         """The pairs tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
-        enc = _encoded_here(lambda: tokenizer.encode(query, documents, max_document_tokens=opts.max_document_tokens,
-                                                     instruction=opts.instruction,
-                                                     truncate=_truncate(model, opts.truncate)))
+        enc = await self._encoded_here([query, *documents], lambda: tokenizer.encode(
+            query, documents, max_document_tokens=opts.max_document_tokens, instruction=opts.instruction,
+            truncate=_truncate(model, opts.truncate)))
         inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
         result = await self._infer(f"{model.target}_encoder", inputs, ["SCORE"], version=model.version or "")
         return Reranked(result.as_numpy("SCORE"), enc.lengths)
@@ -426,9 +425,10 @@ class Backend:
 
         def one_here(tokenizer: ClassifyTokenizer) -> Callable[[list[int], bool], Awaitable[Classified]]:
             async def call(index: list[int], paired: bool) -> Classified:
-                enc = _encoded_here(lambda: tokenizer.encode(
-                    [texts[i] for i in index], [pairs[i] for i in index] if paired else None,  # type: ignore[misc]
-                    truncate=_truncate(model, opts.truncate)))
+                chosen = [texts[i] for i in index]
+                second = [pairs[i] for i in index] if paired else None
+                enc = await self._encoded_here([*chosen, *(second or [])], lambda: tokenizer.encode(
+                    chosen, second, truncate=_truncate(model, opts.truncate)))
                 inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
                 result = await self._infer(f"{model.target}_encoder", inputs, ["PROBS", "LABELS"],
                                            version=model.version or "")

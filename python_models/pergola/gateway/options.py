@@ -30,12 +30,12 @@ class GatewayOptions:
                                                  "tokenized in the gateway with the served version's files and "
                                                  "sent to NAME_encoder directly, one Triton hop fewer",
                                            metavar="FOLDER")
-    gateway_tokenize_chars: int = option(1_024, "an embed, rerank or classify request of at most this many "
-                                                "characters in all is tokenized in the gateway (with "
-                                                "--triton-repository), on its event loop (Qwen3's tokenizer on a "
-                                                "2-core CPU host: ~30 us for 50 characters, 1.3 ms for 4,096); a "
-                                                "larger one goes through Triton's tokenizer instances in chunks; "
-                                                "0: always through Triton")
+    gateway_tokenize_chars: int = option(16_384, "an embed, rerank or classify request of at most this many "
+                                                 "characters in all is tokenized in the gateway (with "
+                                                 "--triton-repository): up to 1,024 on its event loop, above "
+                                                 "that on one of its tokenizing threads; a larger one goes "
+                                                 "through Triton's tokenizer instances in chunks, spread over "
+                                                 "the replicas; 0: always through Triton")
     triton_metrics_port: int = option(8002, "Triton's metrics port on each --triton host: GET /metrics/triton "
                                             "passes its text through, labelled by replica")
     models: str | None = option(None, "served model names to look for when the repository index is closed "
