@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from itertools import chain
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
@@ -169,6 +170,13 @@ async def _numbered(start: int, call: Awaitable[T]) -> T:
         raise _too_long(e, start) from None
 
 
+async def _all(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of `calls`, run concurrently; one call is awaited as it is (a query's request is
+    one chunk: no task to create and schedule, ~20 us of the gateway's time per request)."""
+    calls = list(calls)
+    return [await calls[0]] if len(calls) == 1 else list(await asyncio.gather(*calls))
+
+
 def chunks(sizes: Sequence[int], max_items: int, max_size: int) -> list[tuple[int, int]]:
     """[start, end) ranges over items of `sizes`: at most max_items items and max_size in total
     (an item over max_size alone)."""
@@ -294,7 +302,7 @@ class Backend:
             result = await self._infer(model.name, inputs, [output, "TOKEN_COUNT"])
             return Embedded(result.as_numpy(output).view(dtype), result.as_numpy("TOKEN_COUNT"))
 
-        parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks([len(t) for t in texts],
+        parts = await _all((_numbered(a, one(a, b)) for a, b in chunks([len(t) for t in texts],
                                                                      self.chunk_texts, self.chunk_chars)))
         return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
 
@@ -317,7 +325,7 @@ class Backend:
             return _per_token_answer(r, r.as_numpy("TOKEN_COUNT"))
 
         async def ensemble() -> PerToken:
-            parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks(
+            parts = await _all((_numbered(a, one(a, b)) for a, b in chunks(
                 [len(t) for t in texts], self.chunk_texts, self.chunk_chars)))
             return PerToken([s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
                             np.concatenate([p.tokens for p in parts]))
@@ -331,13 +339,14 @@ class Backend:
         async def one(start: int, end: int) -> np.ndarray:
             part = ids[start:end]
             lengths = np.array([[len(t) for t in part]], dtype=np.int32)
-            flat = np.fromiter((i for t in part for i in t), dtype=np.int64, count=int(lengths.sum()))[None, :]
+            # (chain: 4 us for 128 ids, a generator expression 10; 1.5 against 2.8 ms for 100 x 512)
+            flat = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=int(lengths.sum()))[None, :]
             inputs = [_tensor("INPUT_IDS", flat, "INT64"), _tensor("LENGTHS", lengths, "INT32"),
                       *_option_inputs(opts, [1, 1])]
             result = await self._infer(f"{model.target}_encoder", inputs, [output])
             return result.as_numpy(output).view(dtype)
 
-        parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in ids], self.chunk_texts,
+        parts = await _all((one(a, b) for a, b in chunks([len(t) for t in ids], self.chunk_texts,
                                                                      self.chunk_chars)))
         return Embedded(np.concatenate(parts), np.array([len(t) for t in ids], dtype=np.int32))
 
@@ -354,7 +363,7 @@ class Backend:
             result = await self._infer(f"{model.target}_tokenizer", [_tensor("TEXT", data, "BYTES"), *options], outputs)
             return Tokenized(*(result.as_numpy(name)[0] for name in outputs))
 
-        parts = await asyncio.gather(*(one(a, b) for a, b in chunks([len(t) for t in texts], self.chunk_texts,
+        parts = await _all((one(a, b) for a, b in chunks([len(t) for t in texts], self.chunk_texts,
                                                                      self.chunk_chars)))
         return Tokenized(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("ids", "lengths", "pieces",
                                                                                      "offsets")))
@@ -398,7 +407,7 @@ class Backend:
             return Reranked(result.as_numpy("SCORE"), result.as_numpy("TOKEN_COUNT"))
 
         sizes = [len(d) + len(query) for d in documents]
-        parts = await asyncio.gather(*(_numbered(a, one(a, b)) for a, b in chunks(sizes, self.chunk_texts,
+        parts = await _all((_numbered(a, one(a, b)) for a, b in chunks(sizes, self.chunk_texts,
                                                                                   self.chunk_chars)))
         return Reranked(np.concatenate([p.scores for p in parts]), np.concatenate([p.tokens for p in parts]))
 
@@ -442,7 +451,7 @@ class Backend:
                 raise TooLong(index[e.index], e.limit, e.message) from None
 
         async def assembled(calls: list[Awaitable[tuple[list[int], Classified]]]) -> Classified:
-            parts = await asyncio.gather(*calls)
+            parts = await _all(calls)
             labels = parts[0][1].labels
             probs = np.empty((len(texts), len(labels)), dtype=np.float32)
             tokens = np.empty(len(texts), dtype=np.int64)
