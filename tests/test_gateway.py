@@ -735,14 +735,23 @@ def second_server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path)
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     proc = start(opts, log_path=root / "tritonserver.log")
     wait_ready(opts.http_port, proc, timeout=240)
-    yield f"127.0.0.1:{opts.grpc_port}", proc
+    yield f"127.0.0.1:{opts.grpc_port}", proc, repo
     if proc.poll() is None:
         proc.terminate()
         proc.wait(timeout=60)
 
 
+def stub_processes(repo: Path) -> list[int]:
+    """PIDs of the Python-backend stubs serving models of `repo` (their command line names it)."""
+    out = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub {repo}/"], capture_output=True, text=True)
+    return [int(pid) for pid in out.stdout.split()]
+
+
 def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server, tmp_path, reference):
-    address, proc = second_server
+    """...and the dead replica's stubs end with it: a stub left behind would keep its memory (a
+    GPU's, on a GPU host) from the server that replaces it (triton_io.end_with_server)."""
+    address, proc, repo = second_server
+    assert stub_processes(repo), "no stub found for the second server: the check below would prove nothing"
     gw = start_gateway(tmp_path, f"{server.grpc_url},{address}", "--chunk-texts", "2", "--models", "minilm")
     answers: list[object] = []
     stop = threading.Event()
@@ -758,12 +767,17 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
             t.start()
         time.sleep(3)
         proc.kill()  # one replica gone mid-traffic
+        proc.wait()
         time.sleep(4)
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=120)
         gw.stop()
+    deadline = time.monotonic() + 15
+    while stub_processes(repo) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not stub_processes(repo), "the killed server's stubs are still running"
     failed = [a for a in answers if not isinstance(a, np.ndarray)]
     assert not failed, failed[:3]
     assert len(answers) > 6

@@ -30,9 +30,9 @@ from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
 from pergola.token_outputs import row_width, skipped_token_ids, token_outputs
-from pergola.triton_io import (EmbedOptions, RequestInputs, classify_options, embed_options, error_response, exit_soon,
-                               instance_device, is_fatal_device_error, optional_array, required_array,
-                               rerank_options, set_cpu_threads)
+from pergola.triton_io import (EmbedOptions, RequestInputs, classify_options, embed_options, end_with_server,
+                               error_response, exit_soon, instance_device, is_fatal_device_error, optional_array,
+                               required_array, rerank_options, set_cpu_threads)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -42,6 +42,7 @@ class TritonPythonModel:
         # A crash in native code (a kernel library, the stub's IPC) then leaves every thread's Python
         # stack in Triton's log instead of the stub's bare "Segfault encountered".
         faulthandler.enable(all_threads=True)
+        end_with_server()  # not left behind, holding the GPU, when tritonserver dies
         self.model_name = args["model_name"]
         self.cfg = EngineConfig.from_triton_args(args, device=instance_device(args))
         threads = set_cpu_threads(self.cfg)

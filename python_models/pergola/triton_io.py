@@ -88,6 +88,7 @@ class TokenizerAdapter:
         from pergola.memory import HeapTrimmer
         from pergola.metrics import TokenizerMetrics
 
+        end_with_server()
         self.cfg = EngineConfig.from_triton_args(args)
         self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
         self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
@@ -240,3 +241,26 @@ def exit_soon(pb_utils: Any, model: str, exc: BaseException, delay_s: float = 1.
 
     pb_utils.Logger.log_error(f"{model}: fatal device error ({exc}); exiting so the model is reloaded")
     threading.Timer(delay_s, os._exit, args=(70,)).start()
+
+
+def end_with_server(every_s: float = 1.0) -> None:
+    """End this stub process at once when tritonserver, its parent, has gone.
+
+    Triton 2.51's stub watches its parent as well, but its way out first locks the queue to the
+    server, and a stub that was inside a call to the server at that moment (a metric update, a
+    response) waits on that lock for good: the encoder stub of a server killed under traffic
+    was still alive minutes later, with its memory (a GPU's included: what the restarted server
+    needs), in each of three runs of tests/test_gateway.py's two-replica test. A parent that
+    has gone and been reaped leaves this process to another parent, so os.getppid() changes;
+    os._exit then skips every lock and finalizer, as nothing is left to answer.
+    """
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pergola-parent-watch", daemon=True).start()
