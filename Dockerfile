@@ -7,10 +7,33 @@
 #       -v /path/to/hf-model:/models/default:ro pergola            # a mounted folder
 #   docker run --gpus all --shm-size=2g -p 8080:8080 -e HF_TOKEN pergola \
 #       pergola serve --model BAAI/bge-small-en-v1.5                 # a Hub id, fetched at start
-FROM nvcr.io/nvidia/tritonserver:24.10-py3
-
 ARG TORCH_VERSION=2.7.1
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
+ARG FLASHINFER_VERSION=0.5.3
+
+# FlashInfer's attention kernels, built here: the runtime image has no nvcc, and the start-up probe
+# leaves out a FlashInfer kernel that would have to be compiled first (20-70 s a module), which on
+# Hopper costs the most at long texts (PyTorch's FA2 takes twice FA3's time at 4 x 4,096 tokens,
+# perf/RESULTS.md). The modules pergola loads (scripts/flashinfer_aot.py): the FA2 template for
+# Ampere, Ada and Hopper, FA3 for Hopper, head dims 64 and 128, BF16 and FP16.
+FROM nvcr.io/nvidia/cuda:12.6.3-devel-ubuntu22.04 AS flashinfer
+ARG TORCH_VERSION
+ARG TORCH_INDEX
+ARG FLASHINFER_VERSION
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends python3-pip python3-dev \
+ && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
+ && pip install --no-cache-dir "flashinfer-python==${FLASHINFER_VERSION}" "numpy==1.26.4" "ninja==1.13.2"
+COPY scripts/flashinfer_aot.py /tmp/flashinfer_aot.py
+RUN FLASHINFER_CUDA_ARCH_LIST="8.0 8.6 8.9 9.0a" FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer \
+    python3 /tmp/flashinfer_aot.py /opt/flashinfer-aot fa2:64 fa2:128 fa3:64 fa3:128 --dtypes bfloat16 float16
+
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+ARG TORCH_VERSION
+ARG TORCH_INDEX
+ARG FLASHINFER_VERSION
 # Hub ids to bake into the image's Hugging Face cache (space-separated), for hosts without Hub access.
 ARG PREFETCH=""
 
@@ -27,7 +50,12 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERS
         "httptools>=0.6" "orjson>=3.9" "huggingface_hub>=0.25" "prometheus-client>=0.20" \
         "opentelemetry-sdk>=1.25" "opentelemetry-exporter-otlp-proto-http>=1.25" \
  && python -c "import torch; assert torch.version.cuda.startswith('12.6'), torch.version.cuda" \
- && (pip install --no-cache-dir flashinfer-python || echo "flashinfer-python not installed: PyTorch FA2 is used")
+ && pip install --no-cache-dir "flashinfer-python==${FLASHINFER_VERSION}"
+# FlashInfer looks for prebuilt modules in flashinfer/data/aot/<name>/<name>.so before compiling.
+COPY --from=flashinfer /opt/flashinfer-aot /tmp/flashinfer-aot
+RUN aot="$(python -c 'import flashinfer, os; print(os.path.dirname(flashinfer.__file__))')/data/aot" \
+ && mkdir -p "${aot}" && cp -r /tmp/flashinfer-aot/. "${aot}/" && rm -rf /tmp/flashinfer-aot \
+ && test -n "$(ls -A "${aot}")"
 
 COPY pyproject.toml README.md ./
 COPY python_models ./python_models

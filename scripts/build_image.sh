@@ -35,5 +35,16 @@ import shutil, torch, pergola.cli, pergola.gateway.app, pergola.hub
 assert torch.version.cuda.startswith('12.6'), torch.version.cuda
 assert shutil.which('tritonserver') or __import__('os').path.exists('/opt/tritonserver/bin/tritonserver')
 print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+# FlashInfer's prebuilt modules: those the start-up probe asks for (attention.flashinfer_ready)
+docker run --rm -e FLASHINFER_CUDA_ARCH_LIST=9.0a --entrypoint python "${tag}" -c "
+import torch
+from flashinfer.jit.attention import gen_batch_prefill_module
+for template in ('fa2', 'fa3'):
+    for head_dim in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            spec = gen_batch_prefill_module(template, dtype, dtype, dtype, torch.int32, head_dim, head_dim,
+                                            0, False, False, False)
+            assert spec.is_compiled, f'FlashInfer module {spec.name} is not prebuilt in the image'
+print('FlashInfer: 8 prefill modules prebuilt')"
 docker image ls "${tag}" --format 'built {{.Repository}}:{{.Tag}}, {{.Size}}'
 if ((push)); then docker push "${tag}"; fi

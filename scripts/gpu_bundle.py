@@ -262,18 +262,6 @@ def build_model(whl: Path) -> tuple[Path, Path]:
     return out_tar, out_st
 
 
-_AOT_BUILD = """
-import sys, torch
-from flashinfer.jit.attention import gen_batch_prefill_module
-for backend, head_dim in [tuple(a.split(":")) for a in sys.argv[1:]]:
-    spec = gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32,
-                                    int(head_dim), int(head_dim), 0, False, False, False)
-    print(f"  nvcc: {spec.name} ({backend})", flush=True)
-    spec.build(verbose=False)
-    print(spec.jit_library_path, flush=True)
-"""
-
-
 def cuda_home_for_build() -> Path:
     """A CUDA home FlashInfer's build works with on a machine without a GPU or a full toolkit.
 
@@ -334,14 +322,15 @@ def build_flashinfer_aot(fi_whl: Path, tvm_whl: Path) -> Path | None:
     log(f"  compiling FlashInfer prefill modules for sm{FLASHINFER_ARCH} with nvcc (several minutes on 2 cores)")
     env = dict(os.environ, PYTHONPATH=str(site), FLASHINFER_CUDA_ARCH_LIST=FLASHINFER_ARCH,
                FLASHINFER_WORKSPACE_BASE=str(work), CUDA_HOME=str(cuda_home_for_build()))
-    r = subprocess.run([sys.executable, "-c", _AOT_BUILD] + [f"{b}:{d}" for b, d in FLASHINFER_AOT],
-                       env=env, stdout=subprocess.PIPE, text=True)
+    built = work / "aot"
+    shutil.rmtree(built, ignore_errors=True)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "flashinfer_aot.py"), str(built)]
+                       + [f"{b}:{d}" for b, d in FLASHINFER_AOT], env=env)
     if r.returncode != 0:
         log("  FlashInfer AOT build failed: the GPU host will JIT-compile instead")
         return None
-    libs = [Path(line) for line in r.stdout.splitlines() if line.endswith(".so")]
     with tarfile.open(out.with_suffix(".partial"), "w:xz", preset=9) as tar:
-        for lib in libs:
+        for lib in sorted(built.glob("*/*.so")):
             add_to_tar(tar, f"{lib.parent.name}/{lib.name}", lib.read_bytes(), 0o755)
     out.with_suffix(".partial").rename(out)
     return out
