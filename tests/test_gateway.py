@@ -710,8 +710,10 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
     assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
 
 
-def test_several_worker_processes_answer_alike(server, tmp_path, reference):
-    """--gateway-workers 2: uvicorn's worker processes build the app from PERGOLA_* variables."""
+def test_several_worker_processes_answer_alike(server, tmp_path, reference, monkeypatch):
+    """--gateway-workers 2: uvicorn's worker processes build the app from PERGOLA_* variables, and
+    count their answers in one place (no PROMETHEUS_MULTIPROC_DIR given)."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     gw = start_gateway(tmp_path, server.grpc_url, "--gateway-workers", "2", "--api-key", KEY)
     try:
         for _ in range(4):
@@ -719,8 +721,20 @@ def test_several_worker_processes_answer_alike(server, tmp_path, reference):
             assert status == 200, out
             assert cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
         assert call(gw, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401  # the key reached them
+        for _ in range(6):  # whichever worker answers the scrape, it counts every worker's answers
+            with urllib.request.urlopen(f"{gw.url}/metrics", timeout=30) as r:
+                text = r.read().decode()
+            assert answered(text, "/v1/embeddings", "200") == 4, text
     finally:
         gw.stop()
+
+
+def answered(exposition: str, route: str, status: str) -> float:
+    """pergola_gateway_requests_total{route, status} from a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(exposition) for s in f.samples
+               if s.name == "pergola_gateway_requests_total" and s.labels == {"route": route, "status": status})
 
 
 # --- two replicas -------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
-from typing import Any, AsyncIterator, Awaitable, Callable
+import tempfile
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -85,6 +87,23 @@ def spawn(opts: GatewayOptions) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pergola.cli", "gateway"], env=env, preexec_fn=_die_with_parent)
 
 
+@contextlib.contextmanager
+def shared_metrics() -> Iterator[None]:
+    """Worker processes that count in one place (prometheus_client's multiprocess mode, which each
+    worker takes up at import): a fresh folder unless PROMETHEUS_MULTIPROC_DIR names one. Without
+    it a scrape would show the counts of whichever worker answered it."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="pergola-gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    try:
+        yield
+    finally:
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run(opts: GatewayOptions) -> None:
     import uvicorn
 
@@ -93,6 +112,7 @@ def run(opts: GatewayOptions) -> None:
                                   timeout_keep_alive=30)  # (uvicorn's 5 s drops idle pooled clients often)
     if opts.gateway_workers > 1:  # workers import the app themselves: hand them the options
         os.environ.update(to_environment(opts))
-        uvicorn.run("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers, **kwargs)
+        with shared_metrics():
+            uvicorn.run("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers, **kwargs)
     else:
         uvicorn.run(build_app(opts), **kwargs)

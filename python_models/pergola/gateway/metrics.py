@@ -10,8 +10,9 @@
 `route` is the route's path (/v1/embeddings, /embed, ...); any other path counts as "other",
 so a scan of random URLs cannot grow the series without bound. The process's own metrics
 (CPU, memory, open files) come with them. With --gateway-workers above 1 each worker is a
-process of its own: set PROMETHEUS_MULTIPROC_DIR to an empty folder (prometheus_client's
-multiprocess mode) and every worker's counts are summed at each scrape.
+process of its own, counting into PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess
+mode; a fresh folder when it is not set, app.shared_metrics), and every worker's counts are
+summed at each scrape.
 """
 
 from __future__ import annotations
