@@ -114,16 +114,17 @@ def concurrency(port: int, texts: list[str], in_flight: int, total: int) -> dict
 
 
 @contextlib.contextmanager
-def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool = True,
+def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool | dict = True,
                   **options) -> Iterator[tuple[ServerOptions, int | None]]:
-    """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway;
-    -> (server ports, gateway port or None) once both answer."""
+    """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway
+    (`gateway`: a dict of GatewayOptions values for it, or False for none); -> (server ports,
+    gateway port or None) once both answer."""
     entry = entry_from_folder(folder, NAME, **options)
     repo = build_repository(workdir / "repo", [entry], gpu=gpu)
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start(opts, log_path=workdir / "tritonserver.log")
     gw_port = free_port() if gateway else None
-    gw = gw_port and spawn_gateway(opts, gw_port)
+    gw = gw_port and spawn_gateway(opts, gw_port, **(gateway if isinstance(gateway, dict) else {}))
     try:
         wait_ready(opts.http_port, server, timeout=300)
         print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
@@ -140,6 +141,21 @@ def spawn_gateway(server: ServerOptions, port: int, **options):
     """The gateway in front of `server` as `pergola serve` starts it (reading its repository)."""
     return spawn(GatewayOptions(triton=f"127.0.0.1:{server.grpc_port}", gateway_port=port, gateway_bind="127.0.0.1",
                                 models=NAME, triton_repository=str(server.repo), **options))
+
+
+def gateway_option_values(pairs: list[str]) -> dict[str, object]:
+    """--gateway-option NAME=VALUE pairs as GatewayOptions values, typed as its flags are."""
+    from pergola.options import convert, declared
+
+    fields = {f.name: f for f in declared(GatewayOptions)}
+    out = {}
+    for pair in pairs:
+        name, _, raw = pair.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--gateway-option {pair!r}: {name!r} is not a GatewayOptions field "
+                             f"({', '.join(sorted(fields))})")
+        out[name] = convert(fields[name], raw, f"--gateway-option {name}")
+    return out
 
 
 def time_paired(calls: dict[str, Callable[[list], object]], inputs: list, n: int, block: int = 10,
@@ -199,18 +215,23 @@ def main() -> None:
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--latency-n", type=int, default=200)
     p.add_argument("--concurrency-n", type=int, default=200)
+    p.add_argument("--gateway-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a GatewayOptions field for the measured gateway, e.g. gateway_workers=2 (repeatable)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/gateway.json")
     args = p.parse_args()
+    gateway_options = gateway_option_values(args.gateway_option)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-gateway-"))
     folder = model_folder(args.model, workdir)
     windows = TokenWindows(load_model_spec(folder).tokenizer_file)
     quick = args.device == "cpu"
     res: dict = {"model": args.model, "device": args.device, "command": " ".join(sys.argv),
+                 "gateway_options": gateway_options,
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     # (no load shedding: the bulk suite queues more work than a CPU finishes in the default 10 s)
     with contextlib.ExitStack() as stack:
-        opts, gw_port = stack.enter_context(pergola_stack(folder, workdir, args.device == "gpu", max_queue_seconds=0.0))
+        opts, gw_port = stack.enter_context(pergola_stack(folder, workdir, args.device == "gpu", gateway_options,
+                                                          max_queue_seconds=0.0))
         if gw_port is None:
             raise SystemExit("the gateway never answered: nothing to measure (its log is above)")
         url = f"127.0.0.1:{opts.grpc_port}"

@@ -5,7 +5,7 @@
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
-#                                              # archs_server vllm_server gateway_tests verify
+#                                              # archs_server vllm_server gateway_tests verify gateway_workers
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -76,6 +76,9 @@ for step in "$@"; do
       run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
       run gateway python3 perf/bench_gateway.py --model qwen3-0.6b --out "$OUT/gateway.json" ;;
+    gateway_workers)  # the same with two gateway worker processes (16 in flight: one event loop's limit?)
+      run gateway_workers python3 perf/bench_gateway.py --model qwen3-0.6b --gateway-option gateway_workers=2 \
+        --out "$OUT/gateway_workers2.json" ;;
     verify)  # the GPU tests closest to the latest fixes: capture on a fresh thread, windowed attention,
       # graph buckets (about a minute)
       PERGOLA_TEST_DEVICE=gpu run pytest_verify python3 -m pytest -q -ra tests/test_gpu.py tests/test_attention_backends.py \
@@ -141,6 +144,7 @@ for step in "$@"; do
       archs_perf gte-modernbert modernbert ;;
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
-         "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify)" >&2; exit 2 ;;
+         "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers)" >&2
+       exit 2 ;;
   esac
 done
