@@ -203,8 +203,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, folders):
     from conftest import start_serve
 
     device = ["--device", "gpu"] if TEST_DEVICE == "gpu" else []
+    # --gateway-tokenize-chars 1024: the TEI route test sends 4 short texts (tokenized in the
+    # gateway) and 4 of XLM-R's test texts, 2,200 characters and more (through the ensemble)
     proc = start_serve(tmp_path_factory.mktemp("serve-m3"), f"m3={folders['m3']}", "--model",
-                       f"plain={folders['plain']}", *device)
+                       f"plain={folders['plain']}", "--gateway-tokenize-chars", "1024", *device)
     yield proc
     proc.stop()
 
@@ -327,7 +329,7 @@ def test_tei_embed_sparse_and_embed_all(served, folders, tokenized):
     from test_gateway import tokenized_inputs
 
     base = served.wait_gateway()
-    # (under and over --gateway-tokenize-chars, 1,024: XLMR_TEXTS[1] alone is 2,200 characters)
+    # (under and over the served fixture's --gateway-tokenize-chars, 1,024: XLMR_TEXTS[1] alone is 2,200 characters)
     texts = [t for t in XLMR_TEXTS if len(t) < 100][:4] if tokenized == "in the gateway" else XLMR_TEXTS[:4]
     for _ in range(100):  # the gateway loads m3's tokenizer on its first short request
         before = tokenized_inputs(base).get("gateway", 0.0)
