@@ -26,9 +26,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3-pip pyt
  && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
  && pip install --no-cache-dir "flashinfer-python==${FLASHINFER_VERSION}" "numpy==1.26.4" "ninja==1.13.2"
-COPY scripts/flashinfer_aot.py /tmp/flashinfer_aot.py
-RUN FLASHINFER_CUDA_ARCH_LIST="8.0 8.6 8.9 9.0a" FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer \
-    python3 /tmp/flashinfer_aot.py /opt/flashinfer-aot fa2:64 fa2:128 fa3:64 fa3:128 --dtypes bfloat16 float16
+# (the script and the one pergola module it imports, which needs only torch)
+COPY scripts/flashinfer_aot.py /tmp/fi/flashinfer_aot.py
+COPY python_models/pergola/__init__.py /tmp/fi/pergola/__init__.py
+COPY python_models/pergola/layers/__init__.py python_models/pergola/layers/flashinfer_modules.py /tmp/fi/pergola/layers/
+RUN PYTHONPATH=/tmp/fi FLASHINFER_CUDA_ARCH_LIST="8.0 8.6 8.9 9.0a" FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer \
+    python3 /tmp/fi/flashinfer_aot.py /opt/flashinfer-aot fa2:64 fa2:128 fa3:64 fa3:128 --dtypes bfloat16 float16
 
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 ARG TORCH_VERSION

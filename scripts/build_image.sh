@@ -38,12 +38,11 @@ print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 # FlashInfer's prebuilt modules: those the start-up probe asks for (attention.flashinfer_ready)
 docker run --rm -e FLASHINFER_CUDA_ARCH_LIST=9.0a --entrypoint python "${tag}" -c "
 import torch
-from flashinfer.jit.attention import gen_batch_prefill_module
+from pergola.layers.flashinfer_modules import prefill_spec
 for template in ('fa2', 'fa3'):
     for head_dim in (64, 128):
         for dtype in (torch.bfloat16, torch.float16):
-            spec = gen_batch_prefill_module(template, dtype, dtype, dtype, torch.int32, head_dim, head_dim,
-                                            0, False, False, False)
+            spec = prefill_spec(template, head_dim, dtype)
             assert spec.is_compiled, f'FlashInfer module {spec.name} is not prebuilt in the image'
 print('FlashInfer: 8 prefill modules prebuilt')"
 docker image ls "${tag}" --format 'built {{.Repository}}:{{.Tag}}, {{.Size}}'

@@ -4,13 +4,13 @@
         --dtypes bfloat16 float16
 
 Each TEMPLATE:HEAD_DIM (and dtype) is the module pergola's flashinfer_fa2 / flashinfer_fa3 backends
-load (pergola.layers.attention: no position encoding in the kernel, no window, no soft cap), built
-with nvcc and copied to OUT/<name>/<name>.so. FlashInfer loads <site-packages>/flashinfer/data/aot/
+load (pergola.layers.flashinfer_modules.prefill_spec), built with nvcc and copied to OUT/<name>/<name>.so. FlashInfer loads <site-packages>/flashinfer/data/aot/
 <name>/<name>.so before compiling anything, so OUT's contents go there on the serving host
 (scripts/gpu_setup.sh does it for the GPU bundle, the Dockerfile for the image). Without them the
 start-up probe leaves FlashInfer out (attention.flashinfer_ready): compiling takes 20-70 s a module.
 
-Needs flashinfer-python and torch importable and CUDA_HOME with nvcc; no GPU. Used by
+Needs flashinfer-python, torch and pergola.layers.flashinfer_modules importable (PYTHONPATH=
+python_models) and CUDA_HOME with nvcc; no GPU. Used by
 scripts/gpu_bundle.py and the Dockerfile's flashinfer stage.
 """
 
@@ -24,14 +24,14 @@ from pathlib import Path
 def build(out: Path, modules: list[tuple[str, int]], dtypes: list[str]) -> list[Path]:
     """-> the .so files copied into `out`, one per module and dtype."""
     import torch
-    from flashinfer.jit.attention import gen_batch_prefill_module
+
+    from pergola.layers.flashinfer_modules import prefill_spec
 
     built = []
     for template, head_dim in modules:
         for name in dtypes:
             dtype = getattr(torch, name)
-            spec = gen_batch_prefill_module(template, dtype, dtype, dtype, torch.int32, head_dim, head_dim,
-                                            0, False, False, False)  # as attention.flashinfer_ready asks
+            spec = prefill_spec(template, head_dim, dtype)
             print(f"  nvcc: {spec.name} ({template}, head_dim {head_dim}, {name})", flush=True)
             spec.build(verbose=False)
             lib = Path(spec.jit_library_path)

@@ -320,7 +320,7 @@ def build_flashinfer_aot(fi_whl: Path, tvm_whl: Path) -> Path | None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(site)]
                        + FLASHINFER_IMPORT_DEPS, check=True)
     log(f"  compiling FlashInfer prefill modules for sm{FLASHINFER_ARCH} with nvcc (several minutes on 2 cores)")
-    env = dict(os.environ, PYTHONPATH=str(site), FLASHINFER_CUDA_ARCH_LIST=FLASHINFER_ARCH,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO / "python_models")]), FLASHINFER_CUDA_ARCH_LIST=FLASHINFER_ARCH,
                FLASHINFER_WORKSPACE_BASE=str(work), CUDA_HOME=str(cuda_home_for_build()))
     built = work / "aot"
     shutil.rmtree(built, ignore_errors=True)

@@ -296,18 +296,14 @@ def flashinfer_ready(template: str, head_dim: int, dtype: torch.dtype) -> bool:
 
     Compiling on first use takes 20-70 s, which a start-up must not pay silently.
     """
+    from pergola.layers.flashinfer_modules import prefill_spec
+
     try:
-        from flashinfer.jit.attention import gen_batch_prefill_module
-    except Exception:  # noqa: BLE001 - not installed, or installed without its dependencies
-        return False
-    if template == "fa3" and torch.cuda.get_device_capability()[0] != 9:
-        return False  # the FA3 template is Hopper-only
-    try:
-        spec = gen_batch_prefill_module(template, dtype, dtype, dtype, torch.int32, head_dim, head_dim,
-                                        0, False, False, False)
-        return bool(spec.is_compiled)
-    except Exception:  # noqa: BLE001 - an API change must not stop the model from loading
-        return False
+        if template == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+            return False  # the FA3 template is Hopper-only
+        return bool(prefill_spec(template, head_dim, dtype).is_compiled)
+    except Exception:  # noqa: BLE001 - no GPU, FlashInfer not installed or without its dependencies, an
+        return False  # API change: none of them may stop the model from loading
 
 
 def fa4_ready(opt_in: bool) -> bool:
