@@ -138,7 +138,9 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool | dict =
 
 
 def spawn_gateway(server: ServerOptions, port: int, **options):
-    """The gateway in front of `server` as `pergola serve` starts it (reading its repository)."""
+    """The gateway in front of `server` as `pergola serve` starts it (reading its repository,
+    inference to its HTTP port; `--gateway-option triton_http_port=0` sends it over gRPC)."""
+    options = {"triton_http_port": str(server.http_port)} | options
     return spawn(GatewayOptions(triton=f"127.0.0.1:{server.grpc_port}", gateway_port=port, gateway_bind="127.0.0.1",
                                 models=NAME, triton_repository=str(server.repo), **options))
 

@@ -129,7 +129,7 @@ def gateway(served, request, tmp_path_factory: pytest.TempPathFactory):
         yield base, "gateway", tokenized_inputs
         return
     gw = start_gateway(tmp_path_factory.mktemp("classify-gateway"), f"127.0.0.1:{process.grpc}",
-                       "--models", "sentiment,topics", "--gateway-tokenize-chars", "0")
+                       "--models", "sentiment,topics", "--gateway-tokenize-chars", "0", http=process.http)
     try:
         yield gw.url, "triton", tokenized_inputs
     finally:

@@ -140,6 +140,7 @@ def test_the_gateway_finds_the_triton_pods_through_the_headless_service(tmp_path
     gateway = objects[("Deployment", "demo-pergola-gateway")]
     env = env_of(gateway)
     assert env["PERGOLA_TRITON"] == "demo-pergola-triton.ml.svc:8001"
+    assert env["PERGOLA_TRITON_HTTP_PORT"] == "8000"
     token = objects[("Secret", "demo-pergola-admin-token")]["data"]["token"]
     assert len(token) > 20 and env["PERGOLA_TRITON_ADMIN_TOKEN_FILE"] == "/etc/pergola/admin/token"
     front = objects[("Service", "demo-pergola")]

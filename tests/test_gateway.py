@@ -38,13 +38,16 @@ class Gateway:
             self.proc.kill()
 
 
-def start_gateway(tmp: Path, triton: str, *args: str, ready: bool = True) -> Gateway:
+def start_gateway(tmp: Path, triton: str, *args: str, ready: bool = True, http: str | int = 0) -> Gateway:
+    """`pergola gateway --triton TRITON ARGS`; inference over gRPC unless `http` names Triton's
+    HTTP port(s) (--triton-http-port)."""
     from pergola.server import free_port
 
     port = free_port()
     log = tmp / f"gateway-{port}.log"
     proc = subprocess.Popen([sys.executable, "-m", "pergola.cli", "gateway", "--triton", triton,
-                             "--gateway-port", str(port), "--gateway-bind", "127.0.0.1", "--models", MODELS, *args],
+                             "--triton-http-port", str(http), "--gateway-port", str(port),
+                             "--gateway-bind", "127.0.0.1", "--models", MODELS, *args],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     gw = Gateway(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 60
@@ -59,6 +62,11 @@ def start_gateway(tmp: Path, triton: str, *args: str, ready: bool = True) -> Gat
         time.sleep(0.2)
     gw.stop()
     raise AssertionError(f"the gateway did not come up:\n{log.read_text()}")
+
+
+def port_of(address: str) -> str:
+    """HOST:PORT (or a URL ending in it) -> PORT."""
+    return address.rstrip("/").rsplit(":", 1)[1]
 
 
 def call(gw: Gateway, method: str, path: str, body: object = None, key: str | None = KEY,
@@ -82,14 +90,15 @@ def gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
     # --triton-repository: requests of up to --gateway-tokenize-chars are tokenized in the gateway
     gw = start_gateway(tmp_path_factory.mktemp("gateway"), server.grpc_url, "--api-key", KEY, "--chunk-texts", "3",
                        "--triton-metrics-port", metrics_port, "--triton-repository", str(server.repo),
-                       "--gateway-tokenize-chars", "4096")
+                       "--gateway-tokenize-chars", "4096", http=port_of(server.http_url))
     yield gw
     gw.stop()
 
 
 @pytest.fixture(scope="module")
 def ensemble_gateway(server: RunningServer, tmp_path_factory: pytest.TempPathFactory):
-    """A gateway that sends every text through Triton's tokenizer (no repository to read)."""
+    """A gateway that sends every text through Triton's tokenizer (no repository to read), and
+    its inference over gRPC (the main fixture's goes over HTTP)."""
     gw = start_gateway(tmp_path_factory.mktemp("ensemble-gateway"), server.grpc_url, "--api-key", KEY)
     yield gw
     gw.stop()
@@ -549,7 +558,7 @@ def test_cli_embed_and_rerank_through_the_gateway(gateway, direct):
 # --- a result does not depend on how the request was cut ----------------------------------------
 
 def test_split_answers_equal_unsplit(gateway, server, tmp_path):
-    whole = start_gateway(tmp_path, server.grpc_url, "--api-key", KEY, "--chunk-texts", "1000")
+    whole = start_gateway(tmp_path, server.grpc_url, "--api-key", KEY, "--chunk-texts", "1000")  # (over gRPC)
     try:
         texts = TEXTS * 3  # 36 texts: 12 chunks of 3 vs one request
         _, cut, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
@@ -658,7 +667,7 @@ def test_body_over_the_limit_is_413(server, tmp_path):
 def test_no_triton_is_503_with_retry_after(tmp_path):
     from pergola.server import free_port
 
-    gw = start_gateway(tmp_path, f"127.0.0.1:{free_port()}", ready=False)
+    gw = start_gateway(tmp_path, f"127.0.0.1:{free_port()}", ready=False, http=free_port())
     try:
         assert call(gw, "GET", "/health")[0] == 503
         status, out, headers = call(gw, "POST", "/v1/embeddings", {"input": "x"})
@@ -678,7 +687,7 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
     opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
                                                gpu=TEST_DEVICE == "gpu"),
                          http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False)
+    gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False, http=opts.http_port)
     first_ok: list[float] = []
     stop = threading.Event()
 
@@ -714,7 +723,8 @@ def test_several_worker_processes_answer_alike(server, tmp_path, reference, monk
     """--gateway-workers 2: uvicorn's worker processes build the app from PERGOLA_* variables, and
     count their answers in one place (no PROMETHEUS_MULTIPROC_DIR given)."""
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    gw = start_gateway(tmp_path, server.grpc_url, "--gateway-workers", "2", "--api-key", KEY)
+    gw = start_gateway(tmp_path, server.grpc_url, "--gateway-workers", "2", "--api-key", KEY,
+                       http=port_of(server.http_url))
     try:
         for _ in range(4):
             status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS})
@@ -749,7 +759,7 @@ def second_server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path)
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     proc = start(opts, log_path=root / "tritonserver.log")
     wait_ready(opts.http_port, proc, timeout=240)
-    yield f"127.0.0.1:{opts.grpc_port}", proc, repo
+    yield f"127.0.0.1:{opts.grpc_port}", proc, repo, opts.http_port
     if proc.poll() is None:
         proc.terminate()
         proc.wait(timeout=60)
@@ -764,9 +774,10 @@ def stub_processes(repo: Path) -> list[int]:
 def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server, tmp_path, reference):
     """...and the dead replica's stubs end with it: a stub left behind would keep its memory (a
     GPU's, on a GPU host) from the server that replaces it (triton_io.end_with_server)."""
-    address, proc, repo = second_server
+    address, proc, repo, http_port = second_server
     assert stub_processes(repo), "no stub found for the second server: the check below would prove nothing"
-    gw = start_gateway(tmp_path, f"{server.grpc_url},{address}", "--chunk-texts", "2", "--models", "minilm")
+    gw = start_gateway(tmp_path, f"{server.grpc_url},{address}", "--chunk-texts", "2", "--models", "minilm",
+                       http=f"{port_of(server.http_url)},{http_port}")
     answers: list[object] = []
     stop = threading.Event()
 

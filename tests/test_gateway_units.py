@@ -37,6 +37,9 @@ def test_chunks_cover_every_item_once_in_order(sizes, max_items, max_size, expec
     ("StatusCode.UNAVAILABLE", "Exceeds maximum queue size", 429),
     ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", 503),
     ("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", 504),
+    # the encoder's CANCELLED past a deadline, as Triton's HTTP door answers it (400 -> INVALID_ARGUMENT)
+    ("StatusCode.INVALID_ARGUMENT", "the request's timeout passed before it was computed", 504),
+    ("StatusCode.CANCELLED", "the request was cancelled by its client", 504),
     ("StatusCode.INTERNAL", "boom", 500),
 ])
 def test_triton_errors_map_to_the_status_clients_retry_on(status, message, code):
@@ -61,7 +64,8 @@ def pool(monkeypatch):
     return replicas.ReplicaPool(["10.0.0.1:8001", "10.0.0.2:8001"])
 
 
-async def answer(client: FakeClient, delay: float = 0.0):
+async def answer(replica: replicas.Replica, delay: float = 0.0):
+    client = replica.client
     client.calls += 1
     await asyncio.sleep(delay)
     outcome = client.script.pop(0) if client.script else "ok"

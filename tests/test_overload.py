@@ -160,7 +160,7 @@ def test_a_small_request_does_not_wait_behind_large_ones_in_the_tokenizer(busy_s
         from test_gateway import KEY, call, start_gateway, tokenizer_loaded
 
         gateway = start_gateway(tmp_path, f"127.0.0.1:{busy_server.grpc_port}", "--api-key", KEY,
-                                "--triton-repository", str(busy_server.repo))
+                                "--triton-repository", str(busy_server.repo), http=busy_server.http_port)
         tokenizer_loaded(gateway, "embed")
 
     def query() -> np.ndarray:

@@ -24,7 +24,7 @@ from pergola.tokenization import TRUNCATE_MODES
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 # Gateway options `pergola serve` sets itself: its own Triton server, admin token file and metrics port.
-SERVE_SETS = ("triton", "triton_admin_token_file", "triton_metrics_port", "triton_repository")
+SERVE_SETS = ("triton", "triton_admin_token_file", "triton_http_port", "triton_metrics_port", "triton_repository")
 
 
 def default_model_folder() -> Path:
@@ -163,7 +163,7 @@ def serve(args: argparse.Namespace) -> None:
     gateway = start_gateway(args, opts, token_file)
     try:
         if opts.model_control == "explicit":
-            raise SystemExit(serve_supervised(opts))
+            raise SystemExit(serve_supervised(opts, on_stop=gateway.terminate if gateway is not None else None))
         exec_foreground(opts, lock)  # (the gateway ends with this process, whatever runs in it)
     finally:
         if gateway is not None:
@@ -194,6 +194,7 @@ def start_gateway(args: argparse.Namespace, server: "ServerOptions", token_file:
         return None
     values = values_from(args, GatewayOptions) | {"triton": f"{server.local_host}:{server.grpc_port}",
                                                    "triton_admin_token_file": str(token_file),
+                                                   "triton_http_port": str(server.http_port),
                                                    "triton_metrics_port": server.metrics_port,
                                                    "triton_repository": str(server.repo)}
     opts = GatewayOptions(**values)

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pergola.admin import redact, restricted_api_flags
 from pergola.options import option
@@ -306,12 +307,13 @@ def _forward_output(proc: subprocess.Popen) -> list[str]:
     return crashed
 
 
-def serve_supervised(opts: ServerOptions) -> int:
+def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = None) -> int:
     """Run tritonserver in the foreground and restart it whenever a model's stub dies or the
     server itself crashes while serving (`make serve`).
 
-    SIGINT and SIGTERM end the watch first (no restart may race the shutdown), then go to
-    tritonserver, whose exit code this returns; so does a server that exits before it was ever
+    SIGINT and SIGTERM end the watch first (no restart may race the shutdown), call `on_stop`
+    (`pergola serve`: the gateway's own graceful stop, which closes its connections to
+    tritonserver, whose shutdown waits for them), then go to tritonserver, whose exit code this returns; so does a server that exits before it was ever
     ready (a configuration error: restarting would not help). Why a restart rather than a model
     reload: pergola/supervisor.py.
     """
@@ -330,6 +332,8 @@ def serve_supervised(opts: ServerOptions) -> int:
         nonlocal stopping
         stopping = True
         print(f"pergola: {signal.Signals(signum).name} received; shutting tritonserver down", flush=True)
+        if on_stop is not None:
+            on_stop()
         if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
 

@@ -4,7 +4,8 @@
                               |  parse + check limits (http.py, the route's module)
                               |  short request: tokenize here (tokenizers.py) --> NAME_encoder
                               |  otherwise: cut into chunks (backend.py) -------> the ensemble
-                              +--gRPC (tritonclient aio)--> Triton replica 1 .. N (replicas.py)
+                              +--HTTP, binary tensors (triton_http.py)--> Triton replica 1 .. N
+                                 (readiness, configs, index: gRPC)        (replicas.py)
 
 OpenAI `/v1/embeddings` (openai_api.py), Cohere/Jina `/v1/rerank` (rerank_api.py), TEI `/embed`,
 `/rerank`, `/info`, `/health` (tei_api.py); keys and envelopes in http.py and errors.py; the

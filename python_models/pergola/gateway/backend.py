@@ -16,18 +16,18 @@ from itertools import chain
 from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
-import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput, InferRequestedOutput
 
-from pergola.admin import GRPC_API_KEY_HEADER
+from pergola.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
 from pergola.classify import ClassifyTokenizer
 from pergola.errors import RequestError
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
 from pergola.gateway.metrics import INPUTS
-from pergola.gateway.replicas import ReplicaPool
+from pergola.gateway.replicas import Replica, ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
+from pergola.gateway.triton_http import Tensor
 from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
 
@@ -146,7 +146,7 @@ def _too_long(error: GatewayError, start: int = 0) -> GatewayError:
     return error if found is None else TooLong(start + int(found[1]), int(found[2]), error.message)
 
 
-def _id_inputs(enc: Any, token_types: bool = False, raw_scores: bool = False) -> list[InferInput]:
+def _id_inputs(enc: Any, token_types: bool = False, raw_scores: bool = False) -> list[Tensor]:
     """An encoding made here as NAME_encoder's inputs: [1, T] ids, [1, n] lengths, the token types
     (pairs), RAW_SCORES when asked."""
     inputs = [_tensor("INPUT_IDS", enc.input_ids[None, :], "INT64"), _tensor("LENGTHS", enc.lengths[None, :], "INT32")]
@@ -192,13 +192,17 @@ def chunks(sizes: Sequence[int], max_items: int, max_size: int) -> list[tuple[in
     return out
 
 
-def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
-    tensor = InferInput(name, list(array.shape), datatype)
-    tensor.set_data_from_numpy(array)
-    return tensor
+def _tensor(name: str, array: np.ndarray, datatype: str) -> Tensor:
+    return Tensor(name, array, datatype)
 
 
-def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
+def _grpc_input(tensor: Tensor) -> InferInput:
+    grpc_input = InferInput(tensor.name, list(tensor.array.shape), tensor.datatype)
+    grpc_input.set_data_from_numpy(tensor.array)
+    return grpc_input
+
+
+def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[Tensor]:
     """The optional embed inputs a request sets ([1] for the ensemble, [1, 1] for an encoder)."""
     inputs = []
     if opts.prompt_name is not None:
@@ -210,7 +214,7 @@ def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
     return inputs + _encoder_options(opts, shape)
 
 
-def _encoder_options(opts: EmbedOptions, shape: list[int]) -> list[InferInput]:
+def _encoder_options(opts: EmbedOptions, shape: list[int]) -> list[Tensor]:
     """The embed options that reach the encoder (the tokenizer applies the others)."""
     inputs = []
     if opts.dimensions is not None:
@@ -230,7 +234,8 @@ class Backend:
         self.chunk_texts, self.chunk_chars = chunk_texts, chunk_chars
         self.timeout_s = timeout_s
         # Triton's inference is behind the first key when `pergola serve --api-key` started it
-        self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
+        self.http_headers = {API_KEY_HEADER: api_key} if api_key else None
+        self.grpc_headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
 
     async def _encoded_here(self, texts: list[str], encode: Callable[[], E]) -> E:
         """The gateway's own tokenizing of `texts` (gateway/tokenizers.py: on the loop or a
@@ -240,16 +245,20 @@ class Backend:
         except RequestError as e:
             raise _too_long(refused(str(e))) from None
 
-    async def _infer(self, model: str, inputs: list[InferInput], outputs: list[str], version: str = ""):
-        """One Triton call on the least busy replica (another one if it is busy or gone)."""
-        requested = [InferRequestedOutput(name) for name in outputs]
+    async def _infer(self, model: str, inputs: list[Tensor], outputs: list[str], version: str = ""):
+        """One Triton call on the least busy replica (another one if it is busy or gone), over its
+        HTTP port when known (gateway/triton_http.py), else gRPC; the answer reads as_numpy(name)."""
 
-        async def call(client: grpcaio.InferenceServerClient):
+        async def call(replica: Replica):
             # Triton is told the deadline too (µs): the encoder drops work nobody waits for.
-            with triton_call(model, self.headers) as headers:  # (gateway/tracing.py)
-                return await client.infer(model, inputs, model_version=version, outputs=requested,
-                                          client_timeout=self.timeout_s, timeout=int(self.timeout_s * 1e6),
-                                          headers=headers)
+            if replica.http is not None:
+                with triton_call(model, self.http_headers, "http") as headers:  # (gateway/tracing.py)
+                    return await replica.http.infer(model, inputs, outputs, version, self.timeout_s, headers)
+            with triton_call(model, self.grpc_headers, "grpc") as headers:
+                return await replica.client.infer(
+                    model, [_grpc_input(t) for t in inputs], model_version=version,
+                    outputs=[InferRequestedOutput(name) for name in outputs], client_timeout=self.timeout_s,
+                    timeout=int(self.timeout_s * 1e6), headers=headers)
 
         return await self.pool.call(call)
 
@@ -277,7 +286,7 @@ class Backend:
         return await ensemble()
 
     async def _tokenized_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                              opts: EmbedOptions) -> tuple[list[InferInput], np.ndarray]:
+                              opts: EmbedOptions) -> tuple[list[Tensor], np.ndarray]:
         """`texts` tokenized as NAME_tokenizer would -> NAME_encoder's inputs and each text's tokens."""
         enc = await self._encoded_here(texts, lambda: tokenizer.encode(
             texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens, truncate=_truncate(model, opts.truncate)))

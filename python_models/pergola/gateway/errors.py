@@ -48,6 +48,9 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 
 # Triton's refusals that another replica (or a later retry) may accept.
 _OVERLOAD_MARKS = ("queued tokens", "Exceeds maximum queue size", "max_queue_seconds")
+# The encoder's answer to a request past its deadline (engine/loop.py's Cancelled): CANCELLED over
+# gRPC, but Triton's HTTP door answers CANCELLED as 400 like a bad input, so the message decides.
+_DEADLINE_MARKS = ("timeout passed before it was computed", "cannot finish before its timeout")
 
 
 def refused(message: str) -> GatewayError:
@@ -63,14 +66,14 @@ def from_triton(status: str, message: str) -> GatewayError:
     # UNAVAILABLE "... version N is not at ready state": not a replica that is down)
     if "Request for unknown model" in message or code == "INVALID_ARGUMENT" and "is not found" in message:
         return GatewayError(404, message)
+    if code in ("DEADLINE_EXCEEDED", "CANCELLED") or any(mark in message for mark in _DEADLINE_MARKS):
+        return GatewayError(504, message)
     if code == "INVALID_ARGUMENT":
         return refused(message)
     if code == "NOT_FOUND":
         return GatewayError(404, message)
     if code == "UNAVAILABLE" and any(mark in message for mark in _OVERLOAD_MARKS):
         return GatewayError(429, message)
-    if code in ("DEADLINE_EXCEEDED", "CANCELLED"):
-        return GatewayError(504, message)
     if code == "UNAVAILABLE":
         return GatewayError(503, message)
     return GatewayError(500, message)

@@ -36,6 +36,10 @@ class GatewayOptions:
                                                  "that on one of its tokenizing threads; a larger one goes "
                                                  "through Triton's tokenizer instances in chunks, spread over "
                                                  "the replicas; 0: always through Triton")
+    triton_http_port: str = option("8000", "Triton's HTTP port, where inference goes (binary tensors over "
+                                           "HTTP/1.1 keep-alive: less gateway CPU per call than gRPC); one port "
+                                           "for every --triton host, or one per --triton entry in the same order; "
+                                           "0: inference over gRPC too", metavar="PORT[,...]")
     triton_metrics_port: int = option(8002, "Triton's metrics port on each --triton host: GET /metrics/triton "
                                             "passes its text through, labelled by replica")
     models: str | None = option(None, "served model names to look for when the repository index is closed "

@@ -6,6 +6,10 @@ replica that refuses for overload or cannot be reached is skipped for the rest o
 the chunk is tried on the next one; one that cannot be reached is also left out of new calls
 for `down_s` seconds. A name that resolves to several addresses (a Kubernetes headless Service)
 is one replica per address, resolved again every `resolve_every_s`.
+
+Inference goes to each replica's HTTP port (gateway/triton_http.py: less of the gateway's CPU
+per call than gRPC, measured there) unless its HTTP port is 0; readiness, model configs and the
+repository index go over gRPC.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from pergola.gateway.errors import GatewayError, from_triton
+from pergola.gateway.triton_http import TritonHTTP
 
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")
@@ -53,8 +58,9 @@ def connect(address: str) -> grpcaio.InferenceServerClient:
 
 @dataclass
 class Replica:
-    address: str  # HOST:PORT
+    address: str  # HOST:PORT (gRPC)
     client: grpcaio.InferenceServerClient
+    http: TritonHTTP | None = None  # inference over HTTP, when the replica's HTTP port is known
     outstanding: int = 0
     last_used: int = 0
     down_until: float = 0.0
@@ -81,16 +87,37 @@ def resolve(target: str) -> list[str]:
     return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses]
 
 
+def http_ports(spec: str, targets: list[str]) -> list[int]:
+    """--triton-http-port (one port for every target, or one per target) -> a port per target."""
+    try:
+        ports = [int(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--triton-http-port takes port numbers separated by commas, got {spec!r}") from None
+    if len(ports) == 1:
+        return ports * len(targets)
+    if len(ports) != len(targets):
+        raise ValueError(f"--triton-http-port names {len(ports)} ports for {len(targets)} --triton entries: "
+                         "give one port for all, or one per entry in the same order")
+    return ports
+
+
+def with_port(address: str, port: int) -> str:
+    """HOST:PORT (IPv6 in brackets) -> HOST:`port`."""
+    return f"{address.rpartition(':')[0]}:{port}"
+
+
 def is_connection_error(err: InferenceServerException) -> bool:
     return str(err.status()).endswith("UNAVAILABLE") and "queued tokens" not in err.message() \
         and "maximum queue size" not in err.message()
 
 
 class ReplicaPool:
-    def __init__(self, targets: list[str], down_s: float = 2.0, resolve_every_s: float = 10.0) -> None:
+    def __init__(self, targets: list[str], http_ports: list[int] | None = None, down_s: float = 2.0,
+                 resolve_every_s: float = 10.0) -> None:
         if not targets:
             raise ValueError("no Triton server to send requests to (--triton HOST:PORT)")
         self.targets = targets
+        self.http_ports = dict(zip(targets, http_ports or [0] * len(targets)))  # target -> HTTP port (0: none)
         self.down_s = down_s
         self.resolve_every_s = resolve_every_s
         self.replicas: dict[str, Replica] = {}
@@ -100,14 +127,15 @@ class ReplicaPool:
 
     def refresh(self) -> None:
         """Re-resolve the targets: new addresses join, vanished ones leave (their calls finish)."""
-        addresses = [a for t in self.targets for a in resolve(t)]
-        for address in addresses:
+        addresses = {a: self.http_ports[t] for t in self.targets for a in resolve(t)}
+        for address, http_port in addresses.items():
             if address not in self.replicas:
-                self.replicas[address] = Replica(address, connect(address))
+                http = TritonHTTP(with_port(address, http_port)) if http_port else None
+                self.replicas[address] = Replica(address, connect(address), http)
         for address in set(self.replicas) - set(addresses):
             gone = self.replicas.pop(address)
             with contextlib.suppress(RuntimeError):  # (no running loop: nothing was opened yet)
-                task = asyncio.get_running_loop().create_task(gone.client.close())
+                task = asyncio.get_running_loop().create_task(_close(gone))
                 self._closing.add(task)  # (the loop keeps only a weak reference)
                 task.add_done_callback(self._closing.discard)
         self._resolved_at = time.monotonic()
@@ -118,15 +146,15 @@ class ReplicaPool:
         now = time.monotonic()
         return sorted(self.replicas.values(), key=lambda r: (r.down_until > now, r.outstanding, r.last_used))
 
-    async def call(self, fn: Callable[[grpcaio.InferenceServerClient], Awaitable[T]]) -> T:
-        """fn(client) on the least busy replica; on overload or a lost connection, on the next.
+    async def call(self, fn: Callable[[Replica], Awaitable[T]]) -> T:
+        """fn(replica) on the least busy replica; on overload or a lost connection, on the next.
         Raises the GatewayError of the last refusal (429 if any replica was only busy)."""
         errors: list[GatewayError] = []
         for replica in self._ordered():
             replica.outstanding += 1
             replica.last_used = next(_ticket)
             try:
-                return await fn(replica.client)
+                return await fn(replica)
             except InferenceServerException as e:
                 error = from_triton(str(e.status()), e.message())
                 if error.status not in (429, 503):
@@ -151,4 +179,10 @@ class ReplicaPool:
         return any(await asyncio.gather(*(one(r) for r in list(self.replicas.values()))))
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.client.close() for r in self.replicas.values()), return_exceptions=True)
+        await asyncio.gather(*(_close(r) for r in self.replicas.values()), return_exceptions=True)
+
+
+async def _close(replica: Replica) -> None:
+    if replica.http is not None:
+        await replica.http.close()
+    await replica.client.close()

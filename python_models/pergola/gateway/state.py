@@ -12,7 +12,7 @@ from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.options import GatewayOptions
-from pergola.gateway.replicas import ReplicaPool
+from pergola.gateway.replicas import ReplicaPool, http_ports
 from pergola.gateway.tokenizers import LocalTokenizers
 
 log = logging.getLogger("pergola.gateway")
@@ -35,7 +35,11 @@ class Gateway:
         self.opts = opts
         self.admin_token = read_token(opts.triton_admin_token_file) if opts.triton_admin_token_file else None
         self.names = [n.strip() for n in (opts.models or "").split(",") if n.strip()]
-        self.pool = ReplicaPool([t.strip() for t in opts.triton.split(",") if t.strip()])
+        targets = [t.strip() for t in opts.triton.split(",") if t.strip()]
+        try:
+            self.pool = ReplicaPool(targets, http_ports(opts.triton_http_port, targets))
+        except ValueError as e:
+            raise SystemExit(f"pergola gateway: {e}") from None
         keys = api_keys(opts)
         self.backend = Backend(self.pool, opts.chunk_texts, opts.chunk_chars, opts.request_timeout_s,
                                keys[0] if keys else None,

@@ -82,7 +82,8 @@ class TraceContext:
 
 
 def with_trace(headers: dict[str, str] | None) -> dict[str, str] | None:
-    """`headers` for a Triton call plus the request's traceparent (gRPC metadata), without a tracer."""
+    """`headers` for a Triton call plus the request's traceparent (an HTTP header or gRPC
+    metadata), without a tracer."""
     value = _current.get()
     if value is None:
         return headers
@@ -90,17 +91,19 @@ def with_trace(headers: dict[str, str] | None) -> dict[str, str] | None:
 
 
 @contextlib.contextmanager
-def triton_call(model: str, headers: dict[str, str] | None) -> Iterator[dict[str, str] | None]:
-    """The headers of one Triton call, inside a client span of its own when the gateway traces."""
+def triton_call(model: str, headers: dict[str, str] | None, transport: str = "grpc") -> Iterator[dict[str, str] | None]:
+    """The headers of one Triton call (`transport`: http or grpc), inside a client span of its own
+    when the gateway traces."""
     if tracer() is None:
         yield with_trace(headers)
         return
     from opentelemetry.trace import SpanKind
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    with tracer().start_as_current_span(f"triton {model}", kind=SpanKind.CLIENT, attributes={
-            "rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService", "rpc.method": "ModelInfer",
-            "triton.model": model}):
+    attributes = ({"rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService", "rpc.method": "ModelInfer"}
+                  if transport == "grpc" else {"http.request.method": "POST", "url.path": f"/v2/models/{model}/infer"})
+    with tracer().start_as_current_span(f"triton {model}", kind=SpanKind.CLIENT,
+                                        attributes=attributes | {"triton.model": model}):
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier)  # this span's context, for Triton's spans
         yield {**(headers or {}), **carrier}
