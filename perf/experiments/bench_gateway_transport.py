@@ -23,9 +23,13 @@ variant once, every other round in reverse order; the table gives the medians ov
                       call_soon_threadsafe, uvloop
   future_raw          grpc's sync stub .future() with a hand-built request -> the loop, uvloop
   http_aio            tritonclient.http.aio (aiohttp), binary tensors, uvloop
+  httptools_aio       Triton HTTP with binary tensors on one keep-alive connection: an asyncio
+                      Protocol + httptools response parser, all on the loop thread, uvloop
   raw_aio             grpc.aio stub, hand-built ModelInferRequest (raw_input_contents), uvloop
 The gateway side (same ids, `POST /v1/embeddings` with 128 token ids):
   backend_real        the gateway's Gateway.model + Backend.embed_tokens called directly, uvloop
+                      (inference to Triton's HTTP port, the default since 2026-12-05)
+  backend_grpc        the same with --triton-http-port 0 (inference over tritonclient.grpc.aio)
   asgi_real           the gateway app called in process (ASGI, no HTTP), real backend, uvloop
   asgi_stub           the same with Backend.embed_tokens stubbed (a fixed vector, no Triton call)
   asgi_stub_nomw      ...and without pergola's RequestMetrics and TraceContext middlewares
@@ -33,6 +37,7 @@ The gateway side (same ids, `POST /v1/embeddings` with 128 token ids):
                       gateway process's (/proc/PID/stat), not the client's; blocks of 10 requests
                       take turns with 10 direct tritonclient.grpc calls from the same client
                       (http_gateway_direct, the paired floor; its CPU is this client's)
+  http_gateway_grpc   the same gateway with --triton-http-port 0 (inference over gRPC)
   http_gateway_stub   the same gateway with Backend.embed_tokens stubbed
   interleaved         (rows il_*) sync_*, aio_tritonclient, raw_aio, http_aio, executor_tritonclient,
                       future_raw, backend_real and asgi_real in one uvloop process, taking turns in
@@ -65,8 +70,8 @@ CHILD_VARIANTS = {
     "aio_tritonclient_poll": {"GRPC_POLL_STRATEGY": "poll"},
     "aio_tritonclient_fork0": {"GRPC_ENABLE_FORK_SUPPORT": "0"},
     "executor_tritonclient": {}, "future_tritonclient": {}, "future_raw": {},
-    "http_aio": {}, "raw_aio": {},
-    "backend_real": {}, "asgi_real": {}, "asgi_stub": {}, "asgi_stub_nomw": {},
+    "http_aio": {}, "raw_aio": {}, "httptools_aio": {},
+    "backend_real": {}, "backend_grpc": {}, "asgi_real": {}, "asgi_stub": {}, "asgi_stub_nomw": {},
     "interleaved": {},
 }
 
@@ -229,6 +234,11 @@ async def make_call(variant: str, grpc_url: str, http_url: str, ids, lengths):
                                    timeout=60_000_000)
             return r.as_numpy("EMBEDDING")
         return call, client.close
+    if variant == "httptools_aio":
+        host, port = http_url.rsplit(":", 1)
+        conn = await RawHTTP.open(host, int(port))
+        path = f"/v2/models/{MODEL}/infer"
+        return (lambda: conn.infer(path, ids, lengths)), conn.close
     if variant == "raw_aio":
         from pergola.gateway.replicas import connect
 
@@ -238,12 +248,13 @@ async def make_call(variant: str, grpc_url: str, http_url: str, ids, lengths):
         async def call():
             return raw_vector(await stub.ModelInfer(raw_request(ids, lengths), timeout=60.0))
         return call, client.close
-    if variant == "backend_real":
+    if variant in ("backend_real", "backend_grpc"):
         from pergola.gateway.backend import EmbedOptions
         from pergola.gateway.options import GatewayOptions
         from pergola.gateway.state import Gateway
 
-        gw = Gateway(GatewayOptions(triton=grpc_url, models="bench"))
+        http_port = "0" if variant == "backend_grpc" else http_url.rsplit(":", 1)[1]
+        gw = Gateway(GatewayOptions(triton=grpc_url, triton_http_port=http_port, models="bench"))
         as_list = [ids[0].tolist()]
 
         async def call():
@@ -251,8 +262,65 @@ async def make_call(variant: str, grpc_url: str, http_url: str, ids, lengths):
             return (await gw.backend.embed_tokens(model, as_list, EmbedOptions())).vectors
         return call, gw.pool.close
     if variant.startswith("asgi_"):
-        return await asgi(variant, grpc_url, ids)
+        return await asgi(variant, grpc_url, http_url, ids)
     raise SystemExit(f"unknown variant {variant}")
+
+
+class RawHTTP(asyncio.Protocol):
+    """Triton's HTTP/REST door with the binary-data extension, on one keep-alive connection, all
+    on the loop's thread: httptools' response parser over an asyncio Protocol (no poller thread,
+    no aiohttp session machinery)."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future | None = None
+        self.body: list[bytes] = []
+        self.header_len = 0
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> "RawHTTP":
+        _, proto = await asyncio.get_running_loop().create_connection(cls, host, port)
+        return proto
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"inference-header-content-length":
+            self.header_len = int(value)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body, self.body = b"".join(self.body), []
+        self.waiter.set_result((self.parser.get_status_code(), self.header_len, body))
+
+    async def infer(self, path: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        head = json.dumps({"inputs": [
+            {"name": "INPUT_IDS", "shape": list(ids.shape), "datatype": "INT64",
+             "parameters": {"binary_data_size": ids.nbytes}},
+            {"name": "LENGTHS", "shape": list(lengths.shape), "datatype": "INT32",
+             "parameters": {"binary_data_size": lengths.nbytes}}],
+            "outputs": [{"name": "EMBEDDING", "parameters": {"binary_data": True}}]}).encode()
+        n = len(head) + ids.nbytes + lengths.nbytes
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.writelines([
+            f"POST {path} HTTP/1.1\r\nHost: triton\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(head)}\r\nContent-Length: {n}\r\n\r\n".encode(),
+            head, ids.tobytes(), lengths.tobytes()])
+        status, header_len, body = await self.waiter
+        if status != 200:
+            raise RuntimeError(body[:300])
+        return np.frombuffer(body, dtype=np.float32, offset=header_len)
+
+    async def close(self) -> None:
+        self.transport.close()
 
 
 def _settle(fut: asyncio.Future, result, error) -> None:
@@ -277,13 +345,13 @@ def stub_backend(dim: int = 64) -> None:
     Backend.embed_tokens = embed_tokens
 
 
-async def asgi(variant: str, grpc_url: str, ids: np.ndarray):
+async def asgi(variant: str, grpc_url: str, http_url: str, ids: np.ndarray):
     from pergola.gateway.app import build_app
     from pergola.gateway.options import GatewayOptions
 
     if variant != "asgi_real":
         stub_backend()
-    app = build_app(GatewayOptions(triton=grpc_url, models="bench"))
+    app = build_app(GatewayOptions(triton=grpc_url, triton_http_port=http_url.rsplit(":", 1)[1], models="bench"))
     if variant == "asgi_stub_nomw":
         app.user_middleware = []  # (Starlette builds its stack on the first call)
     body = json.dumps({"model": "bench", "input": [ids[0].tolist()]}).encode()
@@ -319,8 +387,8 @@ async def asgi(variant: str, grpc_url: str, ids: np.ndarray):
 
 # In one process, the transports that can share it take turns in blocks of BLOCK calls, so that
 # the machine's drift falls on all of them alike. The sync clients block the loop's thread.
-INTERLEAVED = ["sync_tritonclient", "sync_raw", "aio_tritonclient", "raw_aio", "http_aio", "executor_tritonclient",
-               "future_raw", "backend_real", "asgi_real"]
+INTERLEAVED = ["sync_tritonclient", "sync_raw", "aio_tritonclient", "raw_aio", "http_aio", "httptools_aio",
+               "executor_tritonclient", "future_raw", "backend_real", "backend_grpc", "asgi_real"]
 BLOCK = 10
 
 
@@ -370,14 +438,16 @@ def serve_stub(opts_json: str) -> None:
     app.run(GatewayOptions(**json.loads(opts_json)))
 
 
-def http_gateway(grpc_url: str, ids: np.ndarray, warmup: int, n: int, stub: bool) -> dict:
+def http_gateway(grpc_url: str, http_url: str, ids: np.ndarray, warmup: int, n: int, stub: bool,
+                 over_grpc: bool = False) -> dict:
     from bench_gateway import Gateway, _first_answer
     from pergola.gateway.app import spawn
     from pergola.gateway.options import GatewayOptions
     from pergola.server import free_port
 
     port = free_port()
-    opts = GatewayOptions(triton=grpc_url, gateway_port=port, gateway_bind="127.0.0.1", models="bench")
+    opts = GatewayOptions(triton=grpc_url, triton_http_port="0" if over_grpc else http_url.rsplit(":", 1)[1],
+                          gateway_port=port, gateway_bind="127.0.0.1", models="bench")
     if stub:
         proc = subprocess.Popen([sys.executable, __file__, "--serve-stub", json.dumps(opts.__dict__)])
     else:
@@ -484,15 +554,16 @@ def main() -> None:
     folder, ids = bench_ids(workdir)
     ids_file = workdir / "ids.npy"
     np.save(ids_file, ids)
-    wanted = args.variants or [*CHILD_VARIANTS, "http_gateway", "http_gateway_stub"]
+    wanted = args.variants or [*CHILD_VARIANTS, "http_gateway", "http_gateway_grpc", "http_gateway_stub"]
     res: dict = {"model": "qwen3-tiny", "device": "cpu", "tokens": 128, "n": args.n, "warmup": args.warmup,
                  "cores": os.cpu_count(), "command": " ".join(sys.argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
     with pergola_stack(folder, workdir, False, gateway=False, max_queue_seconds=0.0) as (opts, _):
         grpc_url, http_url = f"127.0.0.1:{opts.grpc_port}", f"127.0.0.1:{opts.http_port}"
         def one(v: str) -> dict:
-            if v in ("http_gateway", "http_gateway_stub"):
-                return http_gateway(grpc_url, ids, args.warmup, args.n, stub=v.endswith("stub"))
+            if v.startswith("http_gateway"):
+                return http_gateway(grpc_url, http_url, ids, args.warmup, args.n, stub=v.endswith("stub"),
+                                    over_grpc=v.endswith("grpc"))
             proc = subprocess.run([sys.executable, __file__, "--child", v, "--grpc-url", grpc_url, "--http-url",
                                    http_url, "--ids-file", str(ids_file), "--warmup", str(args.warmup),
                                    "--n", str(args.n)], check=False, env=dict(os.environ) | CHILD_VARIANTS[v],
