@@ -123,7 +123,8 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool | dict =
     repo = build_repository(workdir / "repo", [entry], gpu=gpu)
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start(opts, log_path=workdir / "tritonserver.log")
-    gw_port = free_port() if gateway else None
+    # (`gateway` is False for none; an empty dict of options is the default gateway, not none)
+    gw_port = free_port() if gateway is not False else None
     gw = gw_port and spawn_gateway(opts, gw_port, **(gateway if isinstance(gateway, dict) else {}))
     try:
         wait_ready(opts.http_port, server, timeout=300)
