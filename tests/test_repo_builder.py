@@ -53,3 +53,29 @@ def test_the_cli_names_the_option(tmp_path, minilm_folder):
                           "--model", f"mini={minilm_folder}", "--device", "cpu", "--gpus", "0,x"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "--gpus takes GPU numbers" in run.stderr, run.stderr
+
+
+def encoder_queue(repo: Path, name: str) -> model_config_pb2.ModelQueuePolicy:
+    config = text_format.Parse((repo / f"{name}_encoder" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return config.dynamic_batching.default_queue_policy
+
+
+@pytest.mark.parametrize("settings, policy", [
+    ({}, False),
+    ({"max_queue_size": 8}, True),
+    ({"queue_timeout_ms": 500}, True),
+])
+def test_the_encoder_queue_has_no_policy_unless_asked(tmp_path, minilm_folder, rerank_folders, settings, policy):
+    """Triton 2.51's dynamic batcher prefetches the next batch while execute() runs only when the
+    queue has no policy (scheduler_utils.cc: max_queue_size 0, default timeout 0, no override).
+    Without prefetching, a request that arrives during an execute() waits for the batcher's 500 ms
+    idle timeout: 12 of 480 requests from 2-4 concurrent clients on the CPU (perf/experiments/
+    bench_queue_policy.py), none with the default below."""
+    entries = [entry_from_folder(minilm_folder, "mini", **settings),
+               entry_from_folder(rerank_folders["cross-encoder"], "ce", **settings)]
+    repo = build_repository(tmp_path / "repo", entries, gpu=False)
+    for name in ("mini", "ce"):
+        queue = encoder_queue(repo, name)
+        prefetches = (queue.max_queue_size == 0 and queue.default_timeout_microseconds == 0
+                      and not queue.allow_timeout_override)
+        assert prefetches != policy, queue

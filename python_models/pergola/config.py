@@ -202,12 +202,23 @@ class TritonModelOptions:
 
     tokenizer_instances: int = option(2, "tokenizer instances per model (CPU processes tokenizing in parallel)")
     max_batch_requests: int = option(64, "most requests Triton hands the encoder in one execute()")
-    max_queue_size: int = option(256, "encoder requests that may wait; more are refused at once "
-                                      "(UNAVAILABLE: retry with back-off)")
-    queue_timeout_ms: int = option(0, "refuse requests that waited longer than this in the encoder queue "
-                                      "(0: no limit)")
+    max_queue_size: int = option(0, "requests that may wait in Triton's queue for the encoder; more are refused "
+                                    "at once (UNAVAILABLE); 0: no limit there, the encoder sheds load by queued "
+                                    "work itself (--max-queue-seconds). Any limit here, or --queue-timeout-ms, "
+                                    "turns off Triton's batch prefetching: a request arriving during an "
+                                    "execute() may then wait up to 500 ms")
+    queue_timeout_ms: int = option(0, "refuse requests that waited longer than this in Triton's queue for the "
+                                      "encoder, and honour each request's own timeout there (0: neither; see "
+                                      "--max-queue-size)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < (0 if f.name == "queue_timeout_ms" else 1):
+            if getattr(self, f.name) < (0 if f.name in ("queue_timeout_ms", "max_queue_size") else 1):
                 raise ValueError(f"{f.name} must be positive, got {getattr(self, f.name)}")
+
+    @property
+    def queue_policy(self) -> bool:
+        """Whether Triton's queue for the encoder has a policy (a size or time limit); without one
+        its dynamic batcher prefetches (scheduler_utils.cc, PriorityQueue: timeout 0, no override,
+        max_queue_size 0)."""
+        return bool(self.max_queue_size or self.queue_timeout_ms)

@@ -137,6 +137,7 @@ def write_model(repo: Path, entry: ModelEntry, group: str) -> str:
             template, name=name, parameters=block, instance_group=group,
             tokenizer_instances=triton.tokenizer_instances, max_batch_requests=triton.max_batch_requests,
             max_queue_size=triton.max_queue_size, queue_timeout_us=triton.queue_timeout_ms * 1000,
+            queue_timeout_override=str(triton.queue_policy).lower(),
         ))
         _write_version(mdir, adapter, spec.path)
     write_ensemble(repo, name, name, ens_template, bool(spec.token_heads))
