@@ -719,6 +719,50 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
     assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
 
 
+def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folder):
+    """tritonserver's shutdown waits until every HTTP connection to it has closed (30 s, then exit
+    code 1) and serves the calls they carry meanwhile: the gateway's keep-alive connections to its
+    HTTP port end after a few seconds (gateway/triton_http.py), so under steady traffic the server
+    still stops with 0, and the gateway answers 503 (retry) once it has gone."""
+    from pergola.repo_builder import build_repository, entry_from_folder
+    from pergola.server import ServerOptions, free_port, start, wait_ready
+
+    opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
+                                               gpu=TEST_DEVICE == "gpu"),
+                         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    proc = start(opts, log_path=tmp_path / "tritonserver.log")
+    gw = None
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            statuses.append(call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": "x"}, key=None)[0])
+            time.sleep(0.02)
+
+    asker = threading.Thread(target=traffic)
+    try:
+        wait_ready(opts.http_port, proc, timeout=240)
+        gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", http=opts.http_port)
+        asker.start()
+        time.sleep(2)
+        proc.terminate()
+        code = proc.wait(timeout=60)
+        served = len(statuses)
+        time.sleep(1)
+    finally:
+        stop.set()
+        if asker.is_alive():
+            asker.join(timeout=60)
+        if gw is not None:
+            gw.stop()
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+    assert code == 0, log[-2000:]
+    assert 200 in statuses[:served] and statuses[-1] == 503, statuses[-20:]
+
+
 def test_several_worker_processes_answer_alike(server, tmp_path, reference, monkeypatch):
     """--gateway-workers 2: uvicorn's worker processes build the app from PERGOLA_* variables, and
     count their answers in one place (no PROMETHEUS_MULTIPROC_DIR given)."""

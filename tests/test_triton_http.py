@@ -89,13 +89,14 @@ INPUTS = [Tensor("INPUT_IDS", np.array([[1, 2, 3]], dtype=np.int64), "INT64"),
           Tensor("TEXT", np.array([b"caf\xc3\xa9", b""], dtype=object), "BYTES")]
 
 
-def run(script: list[str], calls: int = 1, timeout_s: float = 10.0, pause_s: float = 0.0, idle_s: float = 2.0):
+def run(script: list[str], calls: int = 1, timeout_s: float = 10.0, pause_s: float = 0.0, idle_s: float = 2.0,
+        max_age_s: float = 5.0):
     """`calls` sequential infer calls against a FakeTriton with `script` -> (answers or errors, server)."""
 
     async def main():
         fake = FakeTriton()
         fake.script = list(script)
-        client = TritonHTTP(await fake.start(), idle_s=idle_s)
+        client = TritonHTTP(await fake.start(), idle_s=idle_s, max_age_s=max_age_s)
         out = []
         for _ in range(calls):
             try:
@@ -135,6 +136,13 @@ def test_connections_are_kept_alive_and_reused():
 def test_idle_connections_are_closed():
     """(tritonserver's shutdown waits for every HTTP connection to it to close)"""
     answers, fake = run(["ok"] * 2, calls=2, pause_s=0.3, idle_s=0.1)
+    assert all(not isinstance(a, Exception) for a in answers), answers
+    assert fake.connections == 2
+
+
+def test_connections_end_after_their_maximum_age():
+    """(and so a server told to stop under steady traffic is not held open by them)"""
+    answers, fake = run(["ok"] * 3, calls=3, pause_s=0.4, max_age_s=0.25)  # 2nd call: last on the 1st connection
     assert all(not isinstance(a, Exception) for a in answers), answers
     assert fake.connections == 2
 

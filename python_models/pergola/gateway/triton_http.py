@@ -10,9 +10,12 @@ door included (perf/RESULTS.md, History 2026-12-05, perf/experiments/bench_gatew
 
 HTTP/1.1 carries one call per connection at a time, so each replica keeps a pool of keep-alive
 connections, opened as concurrency needs them up to MAX_CONNECTIONS (beyond that a call waits
-for one, within its deadline: file descriptors are finite). A connection idle for IDLE_S is
-closed: tritonserver's shutdown waits (up to its exit timeout, 30 s) until every HTTP connection
-to it has closed, and exits 1 if one is still open then. A call that fails on a reused
+for one, within its deadline: file descriptors are finite). A connection idle for IDLE_S, or
+open for MAX_AGE_S, is closed after its call: tritonserver's shutdown waits (up to its exit
+timeout, 30 s) until every HTTP connection to it has closed, serving the calls they carry
+meanwhile, and exits 1 if one is still open then. With connections that end, a server told to
+stop under steady traffic exits 0 within seconds and the gateway sees its door closed (measured
+in tests/test_gateway.py). A call that fails on a reused
 connection before any byte of its answer came back (the server closed it while idle) is sent
 once more on a new one: inference calls have no side effects.
 
@@ -42,6 +45,7 @@ _DTYPES = {"BOOL": np.bool_, "INT8": np.int8, "UINT8": np.uint8, "INT16": np.int
 MAX_IDLE = 64  # keep-alive connections kept per replica; more are opened when more calls are in flight
 MAX_CONNECTIONS = 256  # ...up to this many at once per replica
 IDLE_S = 2.0  # a keep-alive connection unused this long is closed
+MAX_AGE_S = 5.0  # ...and one open this long, after its call
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False  # the current answer lets the connection serve another call
         self.closed = False
         self.idle_timer: asyncio.TimerHandle | None = None  # closes it after IDLE_S unused
+        self.opened_at = asyncio.get_running_loop().time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -145,11 +150,11 @@ class TritonHTTP:
     """Inference calls to one Triton server's HTTP port (HOST:PORT)."""
 
     def __init__(self, address: str, max_idle: int = MAX_IDLE, max_connections: int = MAX_CONNECTIONS,
-                 idle_s: float = IDLE_S) -> None:
+                 idle_s: float = IDLE_S, max_age_s: float = MAX_AGE_S) -> None:
         self.address = address
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
-        self.max_idle, self.idle_s = max_idle, idle_s
+        self.max_idle, self.idle_s, self.max_age_s = max_idle, idle_s, max_age_s
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
@@ -218,8 +223,10 @@ class TritonHTTP:
             return answer
         finally:
             self._busy.discard(conn)
-            if done and conn.reusable() and len(self._idle) < self.max_idle:
-                conn.idle_timer = asyncio.get_running_loop().call_later(self.idle_s, self._expire, conn)
+            loop = asyncio.get_running_loop()
+            if (done and conn.reusable() and len(self._idle) < self.max_idle
+                    and loop.time() - conn.opened_at < self.max_age_s):
+                conn.idle_timer = loop.call_later(self.idle_s, self._expire, conn)
                 self._idle.append(conn)
             else:  # (cancelled or failed mid-call: the connection's state is unknown)
                 conn.transport.close()
