@@ -5,8 +5,9 @@ Why not tritonclient's gRPC aio client, which the gateway keeps for its control 
 call of 128 token ids costs the gateway 0.55 ms of CPU through it (protobuf objects, grpc's
 poller thread and its hand-offs to the event loop) and 0.18 ms through this client, whose request
 is one JSON header plus the tensors' bytes written on the loop's thread and whose answer is
-parsed by httptools (uvicorn's own C parser); the round trip is 0.33 ms shorter, Triton's HTTP
-door included (perf/RESULTS.md, History 2026-12-05, perf/experiments/bench_gateway_transport.py).
+parsed by httptools (uvicorn's own C parser); the round trip is 0.24-0.42 ms shorter, Triton's
+HTTP door included (paired rounds on the 2-core CPU host; perf/RESULTS.md, History 2026-12-05,
+perf/experiments/bench_gateway_transport.py).
 
 HTTP/1.1 carries one call per connection at a time, so each replica keeps a pool of keep-alive
 connections, opened as concurrency needs them up to MAX_CONNECTIONS (beyond that a call waits
@@ -35,10 +36,12 @@ import numpy as np
 import orjson
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor
 
-# Triton's HTTP status for each of its error codes (server/src/http_server.cc, HttpCodeFromError)
-# -> the gRPC status of the same code (server/src/grpc/grpc_utils.cc), what errors.from_triton reads.
-_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 409: "ALREADY_EXISTS", 499: "CANCELLED",
-           501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+# Triton's HTTP status -> the gRPC status name errors.from_triton reads. Triton answers 404
+# (NOT_FOUND), 501 (UNSUPPORTED), 503 (UNAVAILABLE), 500 (INTERNAL) and 400 for the rest: invalid
+# argument, unknown, already exists and cancelled alike (server/src/http_server.cc,
+# HttpCodeFromError); 504 comes from a proxy in between. Anything else reads as INTERNAL.
+_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE",
+           504: "DEADLINE_EXCEEDED"}
 # numpy dtype of each Triton datatype that crosses this door as raw bytes (BYTES: length-prefixed)
 _DTYPES = {"BOOL": np.bool_, "INT8": np.int8, "UINT8": np.uint8, "INT16": np.int16, "UINT16": np.uint16,
            "INT32": np.int32, "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
