@@ -124,7 +124,10 @@ def start(servers: list[str], grpc_url: str, stub: bool) -> dict[str, tuple[subp
     procs = {}
     for s in servers:
         port = free_port()
-        opts = GatewayOptions(triton=grpc_url, gateway_port=port, gateway_bind="127.0.0.1", models="bench")
+        # (inference over gRPC, as when this script's figures were taken; Triton's HTTP port, the
+        # default since 2026-12-05, is measured in bench_gateway_transport.py)
+        opts = GatewayOptions(triton=grpc_url, triton_http_port="0", gateway_port=port, gateway_bind="127.0.0.1",
+                              models="bench")
         procs[s] = (launch(s, opts, stub), port)
     for s, (proc, port) in procs.items():
         if _first_answer(port, deadline=time.monotonic() + 60) is None:

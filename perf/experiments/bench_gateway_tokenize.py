@@ -57,9 +57,11 @@ def serve(port: int, grpc_url: str, repo: str, variant: str, stub: bool) -> None
 
         async def infer(self, model, inputs, outputs, version=""):
             await asyncio.sleep(0.002)  # the GPU's share, roughly
-            return Answer(next(i.shape() for i in inputs if i.name() in ("LENGTHS", "TEXT"))[-1])
+            return Answer(next(i.array.shape for i in inputs if i.name in ("LENGTHS", "TEXT"))[-1])
         Backend._infer = infer
-    app.run(GatewayOptions(triton=grpc_url, gateway_port=port, gateway_bind="127.0.0.1", models="bench",
+    # (inference over gRPC, as when this script's figures were taken)
+    app.run(GatewayOptions(triton=grpc_url, triton_http_port="0", gateway_port=port, gateway_bind="127.0.0.1",
+                           models="bench",
                            triton_repository=repo, gateway_tokenize_chars=0 if variant == "ensemble" else 1 << 20))
 
 
