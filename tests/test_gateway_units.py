@@ -184,3 +184,23 @@ def test_a_refusal_on_a_tokenizing_thread_reaches_the_request():
             asyncio.run(tokenizers.run(INLINE_CHARS + 1, refuse))
     finally:
         tokenizers.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--triton", "localhost"], "--triton takes HOST:PORT"),
+    (["--triton", "127.0.0.1:1", "--triton-http-port", "x"], "--triton-http-port takes port numbers"),
+    (["--triton", "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "--triton-http-port", "8000,8001"], "2 ports for 3"),
+])
+def test_bad_triton_addresses_are_refused_before_serving(args, message):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pergola.cli", "gateway", "--gateway-port", "0", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_http_ports_pair_with_targets():
+    assert replicas.http_ports("8000", ["a:1", "b:1"]) == [8000, 8000]
+    assert replicas.http_ports("8000,9000", ["a:1", "b:1"]) == [8000, 9000]
+    assert replicas.with_port("[::1]:8001", 8000) == "[::1]:8000"

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from pergola.gateway import classify_api, metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
-from pergola.gateway.state import Gateway, api_keys
+from pergola.gateway.state import Gateway, api_keys, replica_targets
 from pergola.options import from_environment, to_environment
 
 GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
@@ -106,6 +106,11 @@ def shared_metrics() -> Iterator[None]:
 
 def run(opts: GatewayOptions) -> None:
     import uvicorn
+
+    try:  # (here, not in the app's start-up, where uvicorn would print a traceback around it)
+        replica_targets(opts)
+    except ValueError as e:
+        raise SystemExit(f"pergola gateway: {e}") from None
 
     kwargs: dict[str, Any] = dict(host=opts.gateway_bind, port=opts.gateway_port, log_level="warning",
                                   access_log=False, timeout_graceful_shutdown=10,

@@ -12,7 +12,7 @@ from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.options import GatewayOptions
-from pergola.gateway.replicas import ReplicaPool, http_ports
+from pergola.gateway.replicas import ReplicaPool, http_ports, resolve
 from pergola.gateway.tokenizers import LocalTokenizers
 
 log = logging.getLogger("pergola.gateway")
@@ -30,16 +30,21 @@ def api_keys(opts: GatewayOptions) -> list[str]:
     return keys
 
 
+def replica_targets(opts: GatewayOptions) -> tuple[list[str], list[int]]:
+    """--triton and --triton-http-port -> (HOST:PORT per entry, its HTTP port); ValueError says
+    what is wrong with either."""
+    targets = [t.strip() for t in opts.triton.split(",") if t.strip()]
+    for target in targets:
+        resolve(target)  # (checks the HOST:PORT form)
+    return targets, http_ports(opts.triton_http_port, targets)
+
+
 class Gateway:
     def __init__(self, opts: GatewayOptions) -> None:
         self.opts = opts
         self.admin_token = read_token(opts.triton_admin_token_file) if opts.triton_admin_token_file else None
         self.names = [n.strip() for n in (opts.models or "").split(",") if n.strip()]
-        targets = [t.strip() for t in opts.triton.split(",") if t.strip()]
-        try:
-            self.pool = ReplicaPool(targets, http_ports(opts.triton_http_port, targets))
-        except ValueError as e:
-            raise SystemExit(f"pergola gateway: {e}") from None
+        self.pool = ReplicaPool(*replica_targets(opts))
         keys = api_keys(opts)
         self.backend = Backend(self.pool, opts.chunk_texts, opts.chunk_chars, opts.request_timeout_s,
                                keys[0] if keys else None,
