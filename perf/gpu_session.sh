@@ -5,7 +5,7 @@
 #     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
-#                                              # archs_server vllm_server gateway_tests verify gateway_workers
+#                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -76,6 +76,9 @@ for step in "$@"; do
       run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
       run gateway python3 perf/bench_gateway.py --model qwen3-0.6b --out "$OUT/gateway.json" ;;
+    gateway_grpc)  # the same with the gateway's inference over gRPC (--triton-http-port 0), the transport before 88093b5
+      run gateway_grpc python3 perf/bench_gateway.py --model qwen3-0.6b --gateway-option triton_http_port=0 \
+        --out "$OUT/gateway_grpc.json" ;;
     gateway_workers)  # the same with two gateway worker processes (16 in flight: one event loop's limit?)
       run gateway_workers python3 perf/bench_gateway.py --model qwen3-0.6b --gateway-option gateway_workers=2 \
         --out "$OUT/gateway_workers2.json" ;;
