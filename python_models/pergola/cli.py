@@ -23,7 +23,7 @@ from pergola_client import ENCODINGS
 from pergola.tokenization import TRUNCATE_MODES
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
-# Gateway options `pergola serve` sets itself: its own Triton server, admin token file and metrics port.
+# Gateway options `pergola serve` sets itself: its own Triton server, admin token file, HTTP and metrics ports.
 SERVE_SETS = ("triton", "triton_admin_token_file", "triton_http_port", "triton_metrics_port", "triton_repository")
 
 

@@ -66,12 +66,18 @@ class Replica:
     down_until: float = 0.0
 
 
-def resolve(target: str) -> list[str]:
-    """HOST:PORT -> one HOST:PORT per address the name resolves to (itself if it is an address,
-    or if it does not resolve now: the call will say why)."""
+def split_target(target: str) -> tuple[str, str]:
+    """HOST:PORT -> (HOST, PORT); ValueError naming --triton otherwise."""
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--triton takes HOST:PORT (Triton's gRPC port, 8001 by default), got {target!r}")
+    return host, port
+
+
+def resolve(target: str) -> list[str]:
+    """HOST:PORT -> one HOST:PORT per address the name resolves to (itself if it is an address,
+    or if it does not resolve now: the call will say why)."""
+    host, port = split_target(target)
     try:
         ipaddress.ip_address(host.strip("[]"))
         return [target]

@@ -12,7 +12,7 @@ from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.options import GatewayOptions
-from pergola.gateway.replicas import ReplicaPool, http_ports, resolve
+from pergola.gateway.replicas import ReplicaPool, http_ports, split_target
 from pergola.gateway.tokenizers import LocalTokenizers
 
 log = logging.getLogger("pergola.gateway")
@@ -35,7 +35,7 @@ def replica_targets(opts: GatewayOptions) -> tuple[list[str], list[int]]:
     what is wrong with either."""
     targets = [t.strip() for t in opts.triton.split(",") if t.strip()]
     for target in targets:
-        resolve(target)  # (checks the HOST:PORT form)
+        split_target(target)  # (the form only: the pool resolves names itself)
     return targets, http_ports(opts.triton_http_port, targets)
 
 
