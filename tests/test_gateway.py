@@ -22,6 +22,13 @@ from test_rerank import DOCS, QUERY, cross_encoder_logits, cross_encoder_referen
 
 KEY = "gateway-test-key-0123456789"
 MODELS = "minilm,ce,qr"  # the session server's ensembles (its index is closed to the gateway)
+# Bounds against the references (sentence-transformers, CrossEncoder, transformers, all FP32 on the
+# CPU): FP32 on the CPU; a GPU test server runs BF16, whose bounds are the project's (cosine >= 0.999)
+# and test_rerank.py's for scores. SAME_ATOL: one answer through two doors (the gateway, Triton's),
+# which on a GPU may ride in steps of other sizes, so other matmul kernels and BF16 roundings.
+MIN_COSINE = 0.9999 if TEST_DEVICE == "cpu" else 0.999
+SCORE_ATOL = 1e-4 if TEST_DEVICE == "cpu" else 1e-2
+SAME_ATOL = 1e-6 if TEST_DEVICE == "cpu" else 2e-3
 
 
 @dataclass
@@ -129,7 +136,7 @@ def test_openai_client_gets_sentence_transformers_vectors(openai_client, referen
     out = openai_client.embeddings.create(model="minilm", input=TEXTS)  # the SDK asks for base64
     got = np.array([d.embedding for d in out.data], dtype=np.float32)
     assert [d.index for d in out.data] == list(range(len(TEXTS)))
-    assert cosine_rows(got, reference).min() >= 0.9999
+    assert cosine_rows(got, reference).min() >= MIN_COSINE
     assert out.usage.prompt_tokens == out.usage.total_tokens == sum(token_counts(st_model, TEXTS))
 
 
@@ -148,7 +155,7 @@ def test_openai_single_string_and_dimensions(gateway, reference):
     [row] = out["data"]
     vec = np.array(row["embedding"], dtype=np.float32)
     assert vec.shape == (128,) and abs(np.linalg.norm(vec) - 1) < 1e-5
-    assert cosine_rows(vec[None], reference[:1, :128]).min() >= 0.9999
+    assert cosine_rows(vec[None], reference[:1, :128]).min() >= MIN_COSINE
 
 
 def test_openai_token_ids_equal_text(gateway, st_model):
@@ -283,7 +290,7 @@ def test_requests_tokenized_in_the_gateway_equal_the_ensembles(gateway, ensemble
             assert [r.get("document") for r in here["results"]] == [r.get("document") for r in there["results"]]
     exact = body.get("embedding_type", "float") not in ("float", "float16")
     np.testing.assert_allclose(rows_of(path, here, "base64" in case), rows_of(path, there, "base64" in case),
-                               rtol=0, atol=0 if exact else 1e-6 if TEST_DEVICE == "cpu" else 2e-3)
+                               rtol=0, atol=0 if exact else SAME_ATOL)
 
 
 def test_only_short_requests_are_tokenized_in_the_gateway(gateway, ensemble_gateway):
@@ -307,7 +314,7 @@ def test_only_short_requests_are_tokenized_in_the_gateway(gateway, ensemble_gate
     assert threaded["usage"] == through_triton["usage"]
     np.testing.assert_allclose(rows_of("/v1/embeddings", threaded, False), rows_of("/v1/embeddings", through_triton,
                                                                                    False),
-                               rtol=0, atol=1e-6 if TEST_DEVICE == "cpu" else 2e-3)
+                               rtol=0, atol=SAME_ATOL)
 
 
 # --- truncation, token limits, instructions ----------------------------------------------------
@@ -474,8 +481,9 @@ def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway,
         assert status == 200, out
         got[given] = np.array([r["relevance_score"] for r in sorted(out["results"], key=lambda r: r["index"])])
     np.testing.assert_allclose(got[None], qwen3_reranker_scores(folder, QUERY, docs, QWEN3_RERANKER_INSTRUCTION),
-                               atol=1e-4)
-    np.testing.assert_allclose(got[instruction], qwen3_reranker_scores(folder, QUERY, docs, instruction), atol=1e-4)
+                               atol=SCORE_ATOL)
+    np.testing.assert_allclose(got[instruction], qwen3_reranker_scores(folder, QUERY, docs, instruction),
+                               atol=SCORE_ATOL)
     assert np.abs(got[instruction] - got[None]).max() > 1e-3  # the instruction is part of the prompt
     status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": QUERY, "documents": docs,
                                                           "instruction": instruction})
@@ -535,7 +543,7 @@ def test_gateway_client_answers_as_the_triton_client(gateway, direct, rerank_fol
     np.testing.assert_allclose(raw, direct.embed(TEXTS[:2], normalize=False, dimensions=64, truncate="START"),
                                atol=1e-6)
     ours, theirs = client.rerank(QUERY, DOCS, top_n=3, model="ce"), direct.rerank(QUERY, DOCS, top_n=3, model="ce")
-    np.testing.assert_allclose(ours.scores, theirs.scores, atol=1e-6)
+    np.testing.assert_allclose(ours.scores, theirs.scores, atol=SAME_ATOL)
     assert ours.indices.tolist() == theirs.indices.tolist()
     with pytest.raises(GatewayError, match="HTTP 401"):
         connect(gateway.url).embed(["x"])
@@ -567,7 +575,7 @@ def test_split_answers_equal_unsplit(gateway, server, tmp_path):
         whole.stop()
     a = np.array([d["embedding"] for d in cut["data"]])
     b = np.array([d["embedding"] for d in one["data"]])
-    np.testing.assert_allclose(a, b, atol=1e-6 if TEST_DEVICE == "cpu" else 2e-3)
+    np.testing.assert_allclose(a, b, atol=SAME_ATOL)
     assert cut["usage"] == one["usage"]
 
 
@@ -584,7 +592,7 @@ def test_cohere_rerank_equals_cross_encoder_best_first(gateway, rerank_folders):
         assert [r["index"] for r in results] == np.argsort(-expected, kind="stable").tolist()
         scores = np.array([r["relevance_score"] for r in results])
         assert np.all(np.diff(scores) <= 0)
-        np.testing.assert_allclose(scores, np.sort(expected)[::-1], atol=1e-4)
+        np.testing.assert_allclose(scores, np.sort(expected)[::-1], atol=SCORE_ATOL)
         assert all(r["document"]["text"] == DOCS[r["index"]] for r in results)
     _, top, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": QUERY, "documents": SHORT_DOCS, "top_n": 2})
     assert [r["index"] for r in top["results"]] == [r["index"] for r in results[:2]]
@@ -597,11 +605,11 @@ def test_tei_rerank_and_embed(gateway, rerank_folders, reference):
                                                        "return_text": True})
     assert status == 200, out
     assert [r["index"] for r in out] == np.argsort(-expected, kind="stable").tolist()
-    np.testing.assert_allclose([r["score"] for r in out], np.sort(expected)[::-1], atol=1e-4)
+    np.testing.assert_allclose([r["score"] for r in out], np.sort(expected)[::-1], atol=SCORE_ATOL)
     assert all(r["text"] == DOCS[r["index"]] for r in out)
     status, vectors, headers = call(gateway, "POST", "/embed", {"inputs": TEXTS})
     assert status == 200
-    assert cosine_rows(np.array(vectors), reference).min() >= 0.9999
+    assert cosine_rows(np.array(vectors), reference).min() >= MIN_COSINE
     assert int(headers["x-total-tokens"]) > len(TEXTS)
     _, raw, _ = call(gateway, "POST", "/embed", {"inputs": TEXTS[0], "normalize": False})
     assert abs(np.linalg.norm(raw[0]) - 1) > 1e-3  # MiniLM's raw mean pooling is not unit length
@@ -716,7 +724,7 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
     assert first_ok, "the gateway never answered once Triton was ready"
     print(f"first answer {first_ok[0] - ready:.2f} s after Triton was ready")
     assert first_ok[0] - ready <= 3.0
-    assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
+    assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= MIN_COSINE
 
 
 def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folder):
@@ -773,7 +781,7 @@ def test_several_worker_processes_answer_alike(server, tmp_path, reference, monk
         for _ in range(4):
             status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS})
             assert status == 200, out
-            assert cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= 0.9999
+            assert cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= MIN_COSINE
         assert call(gw, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401  # the key reached them
         for _ in range(6):  # whichever worker answers the scrape, it counts every worker's answers
             with urllib.request.urlopen(f"{gw.url}/metrics", timeout=30) as r:
@@ -851,7 +859,7 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
     assert not failed, failed[:3]
     assert len(answers) > 6
     for out in answers:
-        assert cosine_rows(out, reference).min() >= 0.9999
+        assert cosine_rows(out, reference).min() >= MIN_COSINE
 
 
 # --- `pergola serve` runs the gateway -------------------------------------------------------------
@@ -874,7 +882,7 @@ def test_pergola_serve_answers_the_openai_client(tmp_path, minilm_folder, refere
             except openai.APIConnectionError:
                 assert time.monotonic() < deadline, served.log_tail()
                 time.sleep(0.5)
-        assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= 0.9999
+        assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= MIN_COSINE
         assert {"embed", "mini"} <= {m.id for m in client.models.list().data}
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key="wrong-key-0123456789",
