@@ -6,6 +6,7 @@
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
+#                                              # tests_slice (SLICE=i/n)
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -58,6 +59,11 @@ for step in "$@"; do
     tests)  # the whole suite with the test server's encoders on the GPU, plus the gpu-marked tests
       # (the soak runs in the `hardening` step, on the Qwen3 shape, to fit the 10-minute command)
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests --deselect tests/test_soak.py ;;
+    tests_slice)  # one slice of the whole suite on the GPU, SLICE=i/n (files dealt round-robin), for
+      # the 10-minute command: SLICE=1/3, 2/3, 3/3 cover every test file once (the soak excluded as above)
+      IFS=/ read -r i n <<< "${SLICE:?set SLICE=i/n, e.g. SLICE=1/3}"
+      mapfile -t files < <(ls tests/test_*.py | grep -v test_soak.py | awk -v i="$i" -v n="$n" '(NR - i) % n == 0')
+      PERGOLA_TEST_DEVICE=gpu run "pytest_gpu_slice_${i}of$n" python3 -m pytest -q -ra "${files[@]}" ;;
     hardening)  # overload flood, fuzz and soak against `pergola serve` with the Qwen3-0.6B shape on the GPU
       python3 scripts/make_test_models.py /tmp/q06 --shape qwen3-0.6b --dtype bfloat16 > /dev/null
       python3 -m pergola.cli serve --model q06=/tmp/q06 --repo /tmp/grepo --device gpu > "$OUT/serve_gpu.log" 2>&1 &
@@ -147,7 +153,8 @@ for step in "$@"; do
       archs_perf gte-modernbert modernbert ;;
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
-         "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers)" >&2
+         "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
+         "gateway_grpc tests_slice)" >&2
        exit 2 ;;
   esac
 done
