@@ -16,6 +16,7 @@ import random
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,15 @@ def sample(repo: Path) -> dict[str, float]:
     return {name: sum(rss_mb(p) or 0.0 for p in pids) for name, pids in server_processes(repo).items()}
 
 
-def traffic(url: str, model: str, words: list[str], stop: threading.Event, seed: int, counts: dict) -> None:
+def error_kind(error: Exception) -> str:
+    """What refused a request, for the record: the gRPC status (UNAVAILABLE: shed at the door,
+    DEADLINE_EXCEEDED, ...) when the client gives one, else the exception's type."""
+    status = getattr(error, "status", None)
+    return str(status() if callable(status) else status or type(error).__name__)
+
+
+def traffic(url: str, model: str, words: list[str], stop: threading.Event, seed: int, counts: dict,
+            reasons: Counter) -> None:
     """Requests of varying shape: 1-64 texts of 1-400 words, some at the length limit."""
     rng = random.Random(seed)
     with PergolaClient(url, model=model, timeout_s=60) as client:
@@ -70,8 +79,9 @@ def traffic(url: str, model: str, words: list[str], stop: threading.Event, seed:
                 counts["ok"] += 1
             except AssertionError:
                 counts["wrong"] += 1
-            except Exception:  # noqa: BLE001 - refused under load: counted, not fatal
+            except Exception as e:  # noqa: BLE001 - refused under load: counted, not fatal
                 counts["refused"] += 1
+                reasons[error_kind(e)] += 1
                 time.sleep(0.2)
 
 
@@ -83,7 +93,8 @@ def soak(url: str, repo: Path, model: str, minutes: float, clients: int, every_s
     words = corpus_text().split()
     stop = threading.Event()
     counts = {"ok": 0, "refused": 0, "wrong": 0}
-    threads = [threading.Thread(target=traffic, args=(url, model, words, stop, i, counts), daemon=True)
+    reasons: Counter = Counter()
+    threads = [threading.Thread(target=traffic, args=(url, model, words, stop, i, counts, reasons), daemon=True)
                for i in range(clients)]
     for t in threads:
         t.start()
@@ -99,7 +110,8 @@ def soak(url: str, repo: Path, model: str, minutes: float, clients: int, every_s
         t.join(timeout=90)
     time.sleep(every_s)  # idle: what is kept when nothing runs
     samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mb": sample(repo), "idle": True, **counts})
-    return {"minutes": minutes, "clients": clients, "samples": samples, "growth_mb": growth(samples), **counts}
+    return {"minutes": minutes, "clients": clients, "samples": samples, "growth_mb": growth(samples), **counts,
+            "refused_by": dict(reasons)}
 
 
 def growth(samples: list[dict]) -> dict[str, dict[str, float]]:
