@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="bulk client processes")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an encoder option for this run, e.g. query_tokens=0 (the single lane)")
+    p.add_argument("--query-gap-ms", type=float, default=mixed.QUERY_GAP_S * 1e3,
+                   help="the query client's pause between queries (sets the query rate)")
     p.add_argument("--no-gateway", action="store_true", help="Triton's doors only")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/mixed.json")
@@ -101,7 +103,8 @@ def main() -> None:
             print(f"{name}:", flush=True)
             how, batches = mixed.bulk_batches(windows, name, args.procs)
             sender = grpc_ids_sender if how == "ids" else grpc_text_sender
-            row = res["loads"][name] = mixed.run_load(kinds, sender, grpc, batches, n=args.n)
+            row = res["loads"][name] = mixed.run_load(kinds, sender, grpc, batches, n=args.n,
+                                                      gap_s=args.query_gap_ms / 1e3)
             row["goal"] = mixed.verdict(res["idle"], row["loaded"], row["bulk_kept"])
     write_result(res, args.out)
 

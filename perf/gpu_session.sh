@@ -6,7 +6,7 @@
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
-#                                              # tests_slice (SLICE=i/n)
+#                                              # tests_slice (SLICE=i/n) mixed_rate
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -78,6 +78,11 @@ for step in "$@"; do
     mixed)  # queries under bulk load, fifth suite: the query lane, then one lane (query_tokens=0), then vLLM
       run mixed python3 perf/bench_mixed.py --out "$OUT/mixed.json"
       run mixed_one_lane python3 perf/bench_mixed.py --option query_tokens=0 --out "$OUT/mixed_one_lane.json" ;;
+    mixed_rate)  # bulk kept against the query rate: the query client's pause swept, 100 x 512, ~1 min each
+      for gap in 2 10 30; do
+        run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
+          --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
+      done ;;
     vllm_mixed)  # vLLM 0.22's server under the same mixed traffic (scripts/vllm_setup.sh first)
       run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
@@ -154,7 +159,7 @@ for step in "$@"; do
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
-         "gateway_grpc tests_slice)" >&2
+         "gateway_grpc tests_slice mixed_rate)" >&2
        exit 2 ;;
   esac
 done
