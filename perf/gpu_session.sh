@@ -6,7 +6,7 @@
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
-#                                              # tests_slice (SLICE=i/n) mixed_rate
+#                                              # tests_slice (SLICE=i/n) mixed_rate scaling
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -83,6 +83,9 @@ for step in "$@"; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
       done ;;
+    scaling)  # several GPUs (a multi-GPU kind): one server over N GPUs vs one per GPU behind the gateway,
+      # 100 x 512 / 1,024 / 4,096 at N = 1, 2 and every GPU the host has (~2 min per layout and N)
+      run scaling python3 perf/bench_scaling.py --gpus 1 2 "$(nvidia-smi -L | wc -l)" --out "$OUT/scaling.json" ;;
     vllm_mixed)  # vLLM 0.22's server under the same mixed traffic (scripts/vllm_setup.sh first)
       run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
@@ -159,7 +162,7 @@ for step in "$@"; do
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
-         "gateway_grpc tests_slice mixed_rate)" >&2
+         "gateway_grpc tests_slice mixed_rate scaling)" >&2
        exit 2 ;;
   esac
 done
