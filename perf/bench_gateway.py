@@ -114,13 +114,14 @@ def concurrency(port: int, texts: list[str], in_flight: int, total: int) -> dict
 
 
 @contextlib.contextmanager
-def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool | dict = True,
+def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool | dict = True, gpus: list[int] | None = None,
                   **options) -> Iterator[tuple[ServerOptions, int | None]]:
-    """tritonserver with `folder` as NAME (engine `options` as config parameters) and the gateway
-    (`gateway`: a dict of GatewayOptions values for it, or False for none); -> (server ports,
-    gateway port or None) once both answer."""
+    """tritonserver with `folder` as NAME (engine `options` as config parameters; an encoder
+    instance on each of `gpus`, default every GPU it sees) and the gateway (`gateway`: a dict of
+    GatewayOptions values for it, or False for none); -> (server ports, gateway port or None)
+    once both answer."""
     entry = entry_from_folder(folder, NAME, **options)
-    repo = build_repository(workdir / "repo", [entry], gpu=gpu)
+    repo = build_repository(workdir / "repo", [entry], gpu=gpu, gpus=gpus)
     opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server = start(opts, log_path=workdir / "tritonserver.log")
     # (`gateway` is False for none; an empty dict of options is the default gateway, not none)

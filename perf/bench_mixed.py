@@ -75,7 +75,9 @@ def main() -> None:
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     p.add_argument("-n", type=int, default=150, help="queries of each kind per load")
-    p.add_argument("--procs", type=int, default=4, help="bulk client processes")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="an encoder instance on each of the first N GPUs (default: every GPU, one each)")
+    p.add_argument("--procs", type=int, default=None, help="bulk client processes (default: 4 per GPU used)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an encoder option for this run, e.g. query_tokens=0 (the single lane)")
     p.add_argument("--query-gap-ms", type=float, default=mixed.QUERY_GAP_S * 1e3,
@@ -92,7 +94,10 @@ def main() -> None:
                  "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "loads": {}}
     # No load shedding: the bulk clients keep more work queued than the default 10 s allows on a CPU.
-    with pergola_stack(folder, workdir, args.device == "gpu", not args.no_gateway, max_queue_seconds=0.0,
+    gpus = list(range(args.gpus)) if args.gpus else None
+    procs = args.procs or 4 * (args.gpus or (gpu_count() if args.device == "gpu" else 1))
+    res["gpus"], res["bulk_processes"] = args.gpus or "all", procs
+    with pergola_stack(folder, workdir, args.device == "gpu", not args.no_gateway, gpus=gpus, max_queue_seconds=0.0,
                        **options) as (opts, gw):
         kinds = query_kinds(opts, gw, windows)
         res["idle"] = mixed.idle_latency(kinds, args.n)
@@ -101,12 +106,18 @@ def main() -> None:
         grpc = (f"127.0.0.1:{opts.grpc_port}",)
         for name in args.loads:
             print(f"{name}:", flush=True)
-            how, batches = mixed.bulk_batches(windows, name, args.procs)
+            how, batches = mixed.bulk_batches(windows, name, procs)
             sender = grpc_ids_sender if how == "ids" else grpc_text_sender
             row = res["loads"][name] = mixed.run_load(kinds, sender, grpc, batches, n=args.n,
                                                       gap_s=args.query_gap_ms / 1e3)
             row["goal"] = mixed.verdict(res["idle"], row["loaded"], row["bulk_kept"])
     write_result(res, args.out)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def type_of(value: str) -> object:

@@ -191,6 +191,7 @@ class Run:
     scoring_inputs: str  # "template" (the official Qwen3-Reranker prompt) or "windows" (bench_server.py today)
     suites: tuple[str, ...]  # the children to run after the reference
     embed_model: str = MODELS[0]  # the --models name that plan and embed_folder are for
+    data_parallel_size: int = 1  # vLLM's server replicas, one per GPU (--data-parallel-size)
 
     def save(self) -> None:
         (Path(self.workdir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
@@ -332,6 +333,8 @@ class VllmServer:
                     "--host", self.host, "--port", str(self.port), "--disable-uvicorn-access-log"]
         if hf_overrides:
             self.cmd += ["--hf-overrides", json.dumps(hf_overrides)]
+        if run.data_parallel_size > 1:
+            self.cmd += ["--data-parallel-size", str(run.data_parallel_size)]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.ready_s = 0.0
@@ -422,9 +425,10 @@ def _throughput_worker(host: str, port: int, batches: list[list[np.ndarray]], ba
     q.put((len(batches), t0, time.time()))
 
 
-def run_http_throughput(host: str, port: int, windows: TokenWindows, length: int, requests_per_proc: int) -> dict:
+def run_http_throughput(host: str, port: int, windows: TokenWindows, length: int, requests_per_proc: int,
+                        procs: int = 4) -> dict:
     """bench_server.py's throughput suite over HTTP: the same processes, batches and wall time."""
-    return run_client_processes(_throughput_worker, (host, port), windows, length,
+    return run_client_processes(_throughput_worker, (host, port), windows, length, procs=procs,
                                 requests_per_proc=requests_per_proc)
 
 
@@ -581,9 +585,11 @@ def suite_server(run: Run, res: dict) -> None:
             say(name, f"latency {length:5d} tok: p50 {row['vllm']['p50']:.2f} p99 {row['vllm']['p99']:.2f} ms")
         res["throughput"] = {}
         for length in plan.tput_lengths:
-            row = {"vllm": run_http_throughput(server.host, server.port, windows, length, plan.requests_per_proc)}
+            procs = 4 * run.data_parallel_size  # as bench_scaling.py: four client processes per GPU
+            row = {"vllm": run_http_throughput(server.host, server.port, windows, length, plan.requests_per_proc,
+                                               procs)}
             res["throughput"][length] = row
-            say(name, f"throughput 100 x {length} tok, 4 procs: {row['vllm']['embeddings_per_s']:.0f} emb/s")
+            say(name, f"throughput 100 x {length} tok, {procs} procs: {row['vllm']['embeddings_per_s']:.0f} emb/s")
         texts = windows.texts(plan.conc_length, 64, seed=3)  # bench_server.py's texts
         res["concurrency"] = {"length": plan.conc_length, "vllm": run_http_concurrency(
             server.host, server.port, texts, plan.conc_levels, plan.concurrency_n, name)}
@@ -669,7 +675,7 @@ def suite_mixed(run: Run, res: dict) -> None:
         res["loads"] = {}
         for load in mixed.LOADS:
             say("mixed", f"{load}:")
-            how, batches = mixed.bulk_batches(windows, load, 4)
+            how, batches = mixed.bulk_batches(windows, load, 4 * run.data_parallel_size)
             sender = vllm_ids_sender if how == "ids" else vllm_text_sender
             row = res["loads"][load] = mixed.run_load(kinds, sender, endpoint, batches, n=n,
                                                       log=lambda m: say("mixed", m))
@@ -815,6 +821,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-n", type=int, default=None, help="timed requests per latency point (default 40)")
     p.add_argument("--concurrency-n", type=int, default=None, help="requests per concurrency level (default 200)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="vLLM's server over this many GPUs (one replica each); the throughput suite then "
+                        "runs 4 client processes per replica (perf/bench_scaling.py's counterpart)")
     p.add_argument("--scoring-inputs", default="template", choices=["template", "windows"],
                    help="template: official Qwen3-Reranker prompts; windows: bench_server.py's plain windows")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, HF in place of vLLM, no server")
@@ -851,7 +860,7 @@ def main() -> None:
     t0 = time.perf_counter()
     run = Run(workdir=str(workdir), plan=plan, embed_folders={}, rerank_folder="", dry_run=args.dry_run,
               gpu_memory_utilization=args.gpu_memory_utilization, scoring_inputs=args.scoring_inputs,
-              suites=tuple([n for n in names if n != "reference"]))
+              suites=tuple([n for n in names if n != "reference"]), data_parallel_size=args.data_parallel_size)
     folders = {m: str(model_folder(plan.for_model(m, args.dry_run).embed_model, workdir)) for m in run.embed_models()}
     rerank_folder = str(model_folder(plan.rerank_model, workdir)) if "scoring" in args.suites else ""
     run = replace(run, embed_folders=folders, rerank_folder=rerank_folder)
@@ -868,8 +877,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
         "gpu": "cpu (dry run)" if args.dry_run else gpu_name(), "torch": torch.__version__,
         "python": platform.python_version(), "vllm": None, "vllm_site": site, "dry_run": args.dry_run,
-        "engine_args": run.engine_args(), "rerank_hf_overrides": RERANK_OVERRIDES,
-        "models": {}, "plan": asdict(plan), "scoring_inputs": args.scoring_inputs, "workdir": str(workdir),
+        "engine_args": run.engine_args(), "data_parallel_size": run.data_parallel_size,
+        "rerank_hf_overrides": RERANK_OVERRIDES, "models": {}, "plan": asdict(plan),
+        "scoring_inputs": args.scoring_inputs, "workdir": str(workdir),
         "suites": {},
     }
     for m in run.embed_models():  # models.embed (Qwen3), models.embed_minilm and plan_minilm

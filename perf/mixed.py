@@ -113,6 +113,11 @@ def run_load(kinds: QueryKinds, make_sender: Callable, endpoint: tuple, bulk_bat
                      "points": [(round(t - t0, 4), round(ms, 3), k) for t, ms, k in points]},
     }
     res["bulk_kept"] = res["bulk_per_s_with_queries"] / res["bulk_per_s_alone"] if res["bulk_per_s_alone"] else None
+    # The rates count bulk requests finished inside each window: a window that few finish in says little.
+    res["bulk_requests_with_queries"] = sum(1 for t, _ in done if t_loaded <= t < t_alone)
+    if res["bulk_requests_with_queries"] < 2 * len(procs):
+        log(f"  (only {res['bulk_requests_with_queries']} bulk requests finished while the queries ran: "
+            "the bulk figures of this load are coarse; raise -n)")
     for kind, row in loaded.items():
         log(f"  {kind:14s} loaded p50 {row['p50']:7.2f} p99 {row['p99']:7.2f} ms")
     log(f"  idle {first}: p50 {idle[first]['p50']:.2f} p99 {idle[first]['p99']:.2f} ms; bulk "
