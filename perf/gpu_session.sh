@@ -6,7 +6,7 @@
 #                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
-#                                              # tests_slice (SLICE=i/n) mixed_rate scaling
+#                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -86,6 +86,18 @@ for step in "$@"; do
     scaling)  # several GPUs (a multi-GPU kind): one server over N GPUs vs one per GPU behind the gateway,
       # 100 x 512 / 1,024 / 4,096 at N = 1, 2 and every GPU the host has (~2 min per layout and N)
       run scaling python3 perf/bench_scaling.py --gpus 1 2 "$(nvidia-smi -L | wc -l)" --out "$OUT/scaling.json" ;;
+    scaling_mixed)  # the mixed-traffic suite over every GPU of the host (one encoder instance each, 4 bulk
+      # processes per GPU), and vLLM 0.22's data-parallel server under the same load (scripts/vllm_setup.sh first)
+      run mixed_all_gpus python3 perf/bench_mixed.py -n 100 --loads ids_100x512 ids_25x4096 --out "$OUT/mixed_all_gpus.json"
+      # shellcheck disable=SC1091
+      (source /tmp/vllm-site/env.sh && run vllm_mixed_dp python3 perf/bench_vllm.py --suites mixed \
+        --data-parallel-size "$(nvidia-smi -L | wc -l)" --out "$OUT/vllm_mixed_dp.json") ;;
+    vllm_scaling)  # vLLM 0.22's server suite with --data-parallel-size 2 and every GPU (scripts/vllm_setup.sh first)
+      for n in 2 "$(nvidia-smi -L | wc -l)"; do
+        # shellcheck disable=SC1091
+        (source /tmp/vllm-site/env.sh && run "vllm_dp$n" python3 perf/bench_vllm.py --suites server \
+          --data-parallel-size "$n" --out "$OUT/vllm_dp$n.json")
+      done ;;
     vllm_mixed)  # vLLM 0.22's server under the same mixed traffic (scripts/vllm_setup.sh first)
       run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
@@ -162,7 +174,7 @@ for step in "$@"; do
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
-         "gateway_grpc tests_slice mixed_rate scaling)" >&2
+         "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling)" >&2
        exit 2 ;;
   esac
 done
