@@ -22,6 +22,7 @@ import base64
 import contextlib
 import http.client
 import json
+import subprocess
 import sys
 import tempfile
 import threading
@@ -120,31 +121,52 @@ def pergola_stack(folder: Path, workdir: Path, gpu: bool, gateway: bool | dict =
     instance on each of `gpus`, default every GPU it sees) and the gateway (`gateway`: a dict of
     GatewayOptions values for it, or False for none); -> (server ports, gateway port or None)
     once both answer."""
-    entry = entry_from_folder(folder, NAME, **options)
-    repo = build_repository(workdir / "repo", [entry], gpu=gpu, gpus=gpus)
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    server = start(opts, log_path=workdir / "tritonserver.log")
-    # (`gateway` is False for none; an empty dict of options is the default gateway, not none)
-    gw_port = free_port() if gateway is not False else None
-    gw = gw_port and spawn_gateway(opts, gw_port, **(gateway if isinstance(gateway, dict) else {}))
+    with triton_servers(folder, workdir, gpu, [gpus], **options) as (opts,):
+        # (`gateway` is False for none; an empty dict of options is the default gateway, not none)
+        gw_port = free_port() if gateway is not False else None
+        gw = gw_port and spawn_gateway([opts], gw_port, **(gateway if isinstance(gateway, dict) else {}))
+        try:
+            gw_port = gw_port and _first_answer(gw_port, deadline=time.monotonic() + 120)
+            yield opts, gw_port
+        finally:
+            if gw:
+                gw.terminate()
+
+
+@contextlib.contextmanager
+def triton_servers(folder: Path, workdir: Path, gpu: bool, groups: list[list[int] | None],
+                   **options) -> Iterator[list[ServerOptions]]:
+    """One tritonserver per entry of `groups` (the GPUs its encoder's instances take: None for
+    every GPU it sees, or on the CPU), each with `folder` as NAME in its own repository (engine
+    `options` as config parameters); -> their ports once every one is ready."""
+    started: list[tuple[ServerOptions, subprocess.Popen, Path]] = []
     try:
-        wait_ready(opts.http_port, server, timeout=300)
-        print(f"server ready (log: {workdir / 'tritonserver.log'})", flush=True)
-        gw_port = gw_port and _first_answer(gw_port, deadline=time.monotonic() + 120)
-        yield opts, gw_port
+        for i, gpus in enumerate(groups):
+            suffix = str(i) if len(groups) > 1 else ""
+            repo = build_repository(workdir / f"repo{suffix}", [entry_from_folder(folder, NAME, **options)], gpu=gpu,
+                                    gpus=gpus)
+            opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+            log = workdir / f"tritonserver{suffix}.log"
+            started.append((opts, start(opts, log_path=log), log))
+        for opts, proc, log in started:
+            wait_ready(opts.http_port, proc, timeout=300)
+            print(f"server ready (log: {log})", flush=True)
+        yield [opts for opts, _, _ in started]
     finally:
-        if gw:
-            gw.terminate()
-        server.terminate()
-        server.wait(timeout=60)
+        for _, proc, _ in started:
+            proc.terminate()
+        for _, proc, _ in started:
+            proc.wait(timeout=60)
 
 
-def spawn_gateway(server: ServerOptions, port: int, **options):
-    """The gateway in front of `server` as `pergola serve` starts it (reading its repository,
-    inference to its HTTP port; `--gateway-option triton_http_port=0` sends it over gRPC)."""
-    options = {"triton_http_port": str(server.http_port)} | options
-    return spawn(GatewayOptions(triton=f"127.0.0.1:{server.grpc_port}", gateway_port=port, gateway_bind="127.0.0.1",
-                                models=NAME, triton_repository=str(server.repo), **options))
+def spawn_gateway(servers: list[ServerOptions], port: int, **options):
+    """The gateway in front of `servers` as `pergola serve` starts it (reading the first one's
+    repository, inference to their HTTP ports; `--gateway-option triton_http_port=0` sends it
+    over gRPC), spreading requests over them."""
+    options = {"triton_http_port": ",".join(str(s.http_port) for s in servers)} | options
+    return spawn(GatewayOptions(triton=",".join(f"127.0.0.1:{s.grpc_port}" for s in servers), gateway_port=port,
+                                gateway_bind="127.0.0.1", models=NAME, triton_repository=str(servers[0].repo),
+                                **options))
 
 
 def gateway_option_values(pairs: list[str]) -> dict[str, object]:
@@ -243,7 +265,7 @@ def main() -> None:
         gw = Gateway(gw_port)
         res["text_tokenized_in_gateway"] = tokenizes_texts(gw_port)
         ensemble_port = free_port()
-        stack.callback(spawn_gateway(opts, ensemble_port, gateway_tokenize_chars=0).terminate)
+        stack.callback(spawn_gateway([opts], ensemble_port, gateway_tokenize_chars=0).terminate)
         if _first_answer(ensemble_port, deadline=time.monotonic() + 120) is None:
             raise SystemExit("the second gateway never answered")
         check = windows.ids(128, 4, seed=1)

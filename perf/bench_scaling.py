@@ -25,19 +25,15 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateway import Gateway, _first_answer, _gateway_worker  # noqa: E402
+from bench_gateway import _first_answer, _gateway_worker, spawn_gateway, triton_servers  # noqa: E402
 from bench_server import NAME, _throughput_worker, run_client_processes  # noqa: E402
 from common import model_folder, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.gateway.app import spawn  # noqa: E402
-from pergola.gateway.options import GatewayOptions  # noqa: E402
 from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.server import ServerOptions, free_port  # noqa: E402
 
 LAYOUTS = ("one_server", "per_gpu")
 
@@ -51,45 +47,6 @@ def encoder_requests(server: ServerOptions) -> int:
     return int(sum(s.value for family in text_string_to_metric_families(body)
                    if family.name == "nv_inference_request_success"
                    for s in family.samples if s.labels.get("model") == f"{NAME}_encoder"))
-
-
-@contextlib.contextmanager
-def triton_servers(folder: Path, workdir: Path, gpu: bool, groups: list[list[int] | None],
-                   **options) -> Iterator[list[ServerOptions]]:
-    """One tritonserver per entry of `groups` (the GPUs its encoder's instances take; None on the
-    CPU), each with its own repository; -> their ports once every one is ready."""
-    started: list[tuple[ServerOptions, object]] = []
-    try:
-        for i, gpus in enumerate(groups):
-            repo = build_repository(workdir / f"repo{i}", [entry_from_folder(folder, NAME, **options)], gpu=gpu,
-                                    gpus=gpus)
-            opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-            started.append((opts, start(opts, log_path=workdir / f"tritonserver{i}.log")))
-        for opts, proc in started:
-            wait_ready(opts.http_port, proc, timeout=300)
-        yield [opts for opts, _ in started]
-    finally:
-        for _, proc in started:
-            proc.terminate()
-        for _, proc in started:
-            proc.wait(timeout=60)
-
-
-@contextlib.contextmanager
-def gateway_over(servers: list[ServerOptions], workers: int) -> Iterator[int]:
-    """The gateway in front of every server in `servers` (inference to their HTTP ports) -> its port."""
-    port = free_port()
-    proc = spawn(GatewayOptions(triton=",".join(f"127.0.0.1:{s.grpc_port}" for s in servers),
-                                triton_http_port=",".join(str(s.http_port) for s in servers),
-                                triton_repository=str(servers[0].repo), gateway_port=port,
-                                gateway_bind="127.0.0.1", gateway_workers=workers, models=NAME))
-    try:
-        if _first_answer(port, deadline=time.monotonic() + 120) is None:
-            raise RuntimeError("the gateway never answered: see the message above")
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def measure(layout: str, n: int, folder: Path, workdir: Path, args: argparse.Namespace,
@@ -110,8 +67,10 @@ def measure(layout: str, n: int, folder: Path, workdir: Path, args: argparse.Nam
             if layout == "one_server":
                 worker, endpoint = _throughput_worker, (f"127.0.0.1:{servers[0].grpc_port}",)
             else:
-                port = stack.enter_context(gateway_over(servers, args.gateway_workers))
-                Gateway(port).embed([[1, 2, 3]] * 4, base64_out=True)  # connections to every server
+                port = free_port()
+                stack.callback(spawn_gateway(servers, port, gateway_workers=args.gateway_workers).terminate)
+                if _first_answer(port, deadline=time.monotonic() + 120) is None:
+                    raise RuntimeError("the gateway never answered: see the message above")
                 worker, endpoint = _gateway_worker, (port,)
             for length in args.lengths:
                 run_client_processes(worker, endpoint, windows, length, procs=procs, requests_per_proc=1)  # warm-up
