@@ -4,8 +4,9 @@
 
 Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py),
 vllm.json or vllm_inproc.json (bench_vllm.py) and anatomy.json (anatomy.py), mixed.json / mixed_one_lane.json (bench_mixed.py) and vLLM's
-mixed suite; writes latency_batch1.png, throughput.png, concurrency.png, scoring.png,
-attention_kernels.png, anatomy.png and mixed_timeline.png next to them. A plot whose input file is missing is skipped with a note.
+mixed suite, scaling.json (bench_scaling.py) and vLLM's vllm_dpN.json; writes latency_batch1.png,
+throughput.png, concurrency.png, scoring.png, attention_kernels.png, anatomy.png, mixed_timeline.png
+and scaling.png next to them. A plot whose input file is missing is skipped with a note.
 """
 
 from __future__ import annotations
@@ -288,6 +289,48 @@ def plot_mixed(folder: Path, runs: dict[str, Json | None]) -> None:
     save(fig, folder, "mixed_timeline.png")
 
 
+def vllm_scaling(folder: Path, length: str) -> dict[int, float]:
+    """vLLM's server emb/s at `length` by GPU count: vllm_dpN.json (gpu_session.sh vllm_scaling), and
+    one GPU from this run's vllm.json or vllm_server.json when present."""
+    files = [(folder / "vllm.json", 1), (folder / "vllm_server.json", 1)]
+    files += [(path, int(path.stem.removeprefix("vllm_dp"))) for path in folder.glob("vllm_dp*.json")]
+    points = {}
+    for path, n in files:
+        if path.exists():
+            row = json.loads(path.read_text()).get("suites", {}).get("server", {}).get("throughput", {}).get(length)
+            if row:
+                points[n] = row["vllm"]["embeddings_per_s"]
+    return points
+
+
+def plot_scaling(folder: Path, sc: Json | None) -> None:
+    """Embeddings/s against the number of GPUs (bench_scaling.py): one panel per length, a line per
+    layout, N x one GPU dashed, vLLM's data-parallel server where measured."""
+    if sc is None:
+        return
+    layouts = {name: lay["points"] for name, lay in sc["layouts"].items() if lay["points"]}
+    lengths = sorted({length for pts in layouts.values() for p in pts.values() for length in p["lengths"]}, key=int)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for (name, pts), color in zip(layouts.items(), ("#1f4e9c", "#7fa7e0")):
+            ns = sorted(int(n) for n, p in pts.items() if length in p["lengths"])
+            ax.plot(ns, [pts[str(n)]["lengths"][length]["embeddings_per_s"] for n in ns], "o-", color=color,
+                    label=f"pergola, {name.replace('_', ' ')}")
+            if 1 in ns:
+                one = pts["1"]["lengths"][length]["embeddings_per_s"]
+                ax.plot(ns, [n * one for n in ns], "--", color=color, alpha=0.4)
+        vl = vllm_scaling(folder, length)
+        if vl:
+            ax.plot(sorted(vl), [vl[n] for n in sorted(vl)], "s-", color=COLOR["vLLM server"], label="vLLM server, DP")
+        ax.set_title(f"100 x {length} tokens")
+        ax.set_xlabel("GPUs")
+        ax.set_xticks(sorted({int(n) for pts in layouts.values() for n in pts}))
+    axes[0][0].set_ylabel("embeddings / s")
+    axes[0][0].legend(fontsize=8, title="dashed: N x one GPU", title_fontsize=8)
+    fig.suptitle(f"Throughput over N GPUs, {sc['model']} ({sc['device']})")
+    save(fig, folder, "scaling.png")
+
+
 def main(folder: Path) -> None:
     eng, srv, sc = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json"))
     # vLLM: the full run (bench_vllm.py), else its in-process suite alone (gpu_session.sh vllm_inproc)
@@ -302,6 +345,7 @@ def main(folder: Path) -> None:
         lambda: plot_mixed(folder, {"pergola, query lane": load(folder, "mixed.json"),
                                     "pergola, one lane": load(folder, "mixed_one_lane.json"),
                                     "vLLM server": vllm_mixed(folder)}),
+        lambda: plot_scaling(folder, load(folder, "scaling.json")),
     ]
     for plot in plots:
         plot()
