@@ -66,7 +66,7 @@ def error_kind(error: Exception) -> str:
 
 
 def traffic(url: str, model: str, words: list[str], stop: threading.Event, seed: int, counts: dict,
-            reasons: Counter) -> None:
+            reasons: Counter, examples: dict[str, str]) -> None:
     """Requests of varying shape: 1-64 texts of 1-400 words, some at the length limit."""
     rng = random.Random(seed)
     with PergolaClient(url, model=model, timeout_s=60) as client:
@@ -81,7 +81,9 @@ def traffic(url: str, model: str, words: list[str], stop: threading.Event, seed:
                 counts["wrong"] += 1
             except Exception as e:  # noqa: BLE001 - refused under load: counted, not fatal
                 counts["refused"] += 1
-                reasons[error_kind(e)] += 1
+                kind = error_kind(e)
+                reasons[kind] += 1
+                examples.setdefault(kind, str(e)[:300])
                 time.sleep(0.2)
 
 
@@ -94,7 +96,9 @@ def soak(url: str, repo: Path, model: str, minutes: float, clients: int, every_s
     stop = threading.Event()
     counts = {"ok": 0, "refused": 0, "wrong": 0}
     reasons: Counter = Counter()
-    threads = [threading.Thread(target=traffic, args=(url, model, words, stop, i, counts, reasons), daemon=True)
+    examples: dict[str, str] = {}  # the first message of each kind
+    threads = [threading.Thread(target=traffic, args=(url, model, words, stop, i, counts, reasons, examples),
+                                daemon=True)
                for i in range(clients)]
     for t in threads:
         t.start()
@@ -111,7 +115,7 @@ def soak(url: str, repo: Path, model: str, minutes: float, clients: int, every_s
     time.sleep(every_s)  # idle: what is kept when nothing runs
     samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mb": sample(repo), "idle": True, **counts})
     return {"minutes": minutes, "clients": clients, "samples": samples, "growth_mb": growth(samples), **counts,
-            "refused_by": dict(reasons)}
+            "refused_by": dict(reasons), "refused_examples": examples}
 
 
 def growth(samples: list[dict]) -> dict[str, dict[str, float]]:

@@ -1,6 +1,6 @@
 """Token-budget packing of queued requests (no torch)."""
 
-from pergola.engine.scheduler import WorkQueue
+from pergola.engine.scheduler import AGING, WorkQueue
 
 
 def packed(q: WorkQueue) -> list[list[tuple]]:
@@ -76,3 +76,23 @@ def test_a_key_is_queued_once():
     q.add("a", [4])
     with pytest.raises(KeyError):
         q.add("a", [4])
+
+
+def test_a_large_request_is_not_starved_by_a_stream_of_smaller_ones():
+    """Least work first alone never runs "big" while a 90-token request arrives before each step;
+    with aging it waits for at most AGING times its own work of later requests, and admission
+    (work_ahead) counts it ahead of a new request as soon as the order does."""
+    q = WorkQueue(max_batch_tokens=100, max_batch_seqs=8)
+    q.add("big", [100] * 3)
+    waited = 0  # tokens of later requests run while "big" waited
+    for i in range(100):
+        q.add(i, [90])
+        ahead = q.work_ahead(90)
+        step = q.next_step()
+        if any(s.request == "big" for s in step.seqs):
+            assert ahead >= 300  # a new 90-token request would have waited for "big" too
+            break
+        waited += step.num_tokens
+    else:
+        raise AssertionError("the large request never got a step")
+    assert 0 < waited <= AGING * 300

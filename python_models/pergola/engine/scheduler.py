@@ -10,6 +10,13 @@ arrives while a bulk request is being encoded takes the next step instead of wai
 whole bulk request (a request is no longer the unit of scheduling), and bulk requests of equal
 size still finish in arrival order (the one begun has less left). A request larger than the
 budget is spread over steps; a sequence longer than the budget runs alone in its own step.
+
+Least work first alone starves: while smaller requests keep coming, a large one never runs and
+is dropped at its deadline (in a 4-minute CPU soak of four clients with a 60 s timeout, 4 to 5
+requests were dropped with ~9 s of work to go, so after more than 50 s in the queue; perf/soak.py).
+So each step that passes a request over counts its work as 1/AGING of a step budget less: a
+request waits for at most about AGING times its own work of requests that came after it, and
+least work first holds among requests of similar age.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator
+
+AGING = 4  # a request passed over by a step counts max_batch_tokens / AGING tokens less of work
 
 
 @dataclass(frozen=True)
@@ -42,9 +51,7 @@ class _Job:
     next: int = 0  # first sequence not yet in a step
     start: int = 0  # its token offset
     left: int = 0  # tokens not yet in a step
-
-    def sort_key(self) -> tuple[int, int]:
-        return self.left, self.arrival
+    passed: int = 0  # steps packed while it waited and took none of its sequences
 
 
 class WorkQueue:
@@ -57,6 +64,7 @@ class WorkQueue:
         self._jobs: dict[Hashable, _Job] = {}
         self._arrivals = itertools.count()
         self.queued_tokens = 0  # tokens of every request not yet in a step
+        self._credit = max(1, max_batch_tokens // AGING)  # tokens of work forgiven per step passed over
 
     def __bool__(self) -> bool:
         return bool(self._jobs)
@@ -78,15 +86,22 @@ class WorkQueue:
     def keys(self) -> list[Hashable]:
         return list(self._jobs)
 
+    def _order(self, job: _Job) -> tuple[int, int]:
+        """Least work left first, less what waiting has earned (AGING); ties in arrival order."""
+        return job.left - job.passed * self._credit, job.arrival
+
+    def _in_order(self) -> list[_Job]:
+        return sorted(self._jobs.values(), key=self._order)
+
     def work_ahead(self, tokens: int) -> int:
         """Queued tokens that would run before a new request of `tokens` tokens (least work
-        first): what such a request waits for, besides the step in flight."""
-        return sum(job.left for job in self._jobs.values() if job.left <= tokens)
+        first, with aging): what such a request waits for, besides the step in flight."""
+        return sum(job.left for job in self._jobs.values() if self._order(job)[0] <= tokens)
 
     def finish_lines(self) -> dict[Hashable, int]:
         """Per queued request, the tokens that run before its last sequence (its own included)."""
         out, total = {}, 0
-        for job in sorted(self._jobs.values(), key=_Job.sort_key):
+        for job in self._in_order():
             total += job.left
             out[job.key] = total
         return out
@@ -94,13 +109,18 @@ class WorkQueue:
     def next_step(self) -> Step | None:
         if not self._jobs:
             return None
-        return self.top_up(Step(lane=self.lane), self.max_batch_tokens)
+        step = self.top_up(Step(lane=self.lane), self.max_batch_tokens)
+        taken = {s.request for s in step.seqs}
+        for job in self._jobs.values():
+            if job.key not in taken:
+                job.passed += 1
+        return step
 
     def top_up(self, step: Step, max_tokens: int) -> Step:
         """Add this queue's next sequences to `step` (in the usual order) while they fit in
         `max_tokens` and max_batch_seqs; a step that is empty takes its first sequence whatever
         its length."""
-        for job in sorted(self._jobs.values(), key=_Job.sort_key):
+        for job in self._in_order():
             if not self._take(job, step, max_tokens):
                 break
         return step
