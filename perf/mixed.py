@@ -28,7 +28,7 @@ QueryKinds = dict[str, Callable[[], Callable[[], Any]]]
 LOADS = {"ids_100x512": ("ids", 512, 100), "ids_25x4096": ("ids", 4096, 25), "text_100x512": ("text", 512, 100)}
 QUERY = "how do I read a file line by line in python"  # the short text query (~8 words)
 # The query client's pause between two queries: with ~4 ms per query on the H200 it sends ~150 a
-# second, a query stream far denser than a search front end's per replica; --query-gap-ms sweeps it.
+# second (perf/results/2026-12-05-9da2d89/mixed.json); --query-gap-ms sweeps the rate.
 QUERY_GAP_S = 0.002
 
 
