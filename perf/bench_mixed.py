@@ -96,7 +96,7 @@ def main() -> None:
     # No load shedding: the bulk clients keep more work queued than the default 10 s allows on a CPU.
     gpus = list(range(args.gpus)) if args.gpus else None
     procs = args.procs or 4 * (args.gpus or (gpu_count() if args.device == "gpu" else 1))
-    res["gpus"], res["bulk_processes"] = args.gpus or "all", procs
+    res["gpus"] = args.gpus or "all"  # (each load records its bulk processes)
     with pergola_stack(folder, workdir, args.device == "gpu", not args.no_gateway, gpus=gpus, max_queue_seconds=0.0,
                        **options) as (opts, gw):
         kinds = query_kinds(opts, gw, windows)

@@ -17,6 +17,7 @@ mkdir -p "$OUT"
 source /tmp/pergola-gpu/env.sh
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+GPUS=$(nvidia-smi -L | wc -l)  # the scaling steps' largest N
 
 run() {  # NAME COMMAND...: echo, run, keep the log, never stop the remaining steps
   local name=$1; shift
@@ -85,15 +86,15 @@ for step in "$@"; do
       done ;;
     scaling)  # several GPUs (a multi-GPU kind): one server over N GPUs vs one per GPU behind the gateway,
       # 100 x 512 / 1,024 / 4,096 at N = 1, 2 and every GPU the host has (~2 min per layout and N)
-      run scaling python3 perf/bench_scaling.py --gpus 1 2 "$(nvidia-smi -L | wc -l)" --out "$OUT/scaling.json" ;;
+      run scaling python3 perf/bench_scaling.py --gpus 1 2 "$GPUS" --out "$OUT/scaling.json" ;;
     scaling_mixed)  # the mixed-traffic suite over every GPU of the host (one encoder instance each, 4 bulk
       # processes per GPU), and vLLM 0.22's data-parallel server under the same load (scripts/vllm_setup.sh first)
       run mixed_all_gpus python3 perf/bench_mixed.py -n 100 --loads ids_100x512 ids_25x4096 --out "$OUT/mixed_all_gpus.json"
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_mixed_dp python3 perf/bench_vllm.py --suites mixed \
-        --data-parallel-size "$(nvidia-smi -L | wc -l)" --out "$OUT/vllm_mixed_dp.json") ;;
+        --data-parallel-size "$GPUS" --out "$OUT/vllm_mixed_dp.json") ;;
     vllm_scaling)  # vLLM 0.22's server suite with --data-parallel-size 2 and every GPU (scripts/vllm_setup.sh first)
-      for n in 2 "$(nvidia-smi -L | wc -l)"; do
+      for n in 2 "$GPUS"; do
         # shellcheck disable=SC1091
         (source /tmp/vllm-site/env.sh && run "vllm_dp$n" python3 perf/bench_vllm.py --suites server \
           --data-parallel-size "$n" --out "$OUT/vllm_dp$n.json")

@@ -12,14 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 from bench_scaling import efficiency  # noqa: E402
 
 
-def point(**emb_per_s: float) -> dict:
-    return {"lengths": {k.lstrip("_"): {"embeddings_per_s": v} for k, v in emb_per_s.items()},
+def point(emb_per_s: dict[str, float]) -> dict:
+    """bench_scaling.measure's shape: length -> the throughput row."""
+    return {"lengths": {length: {"embeddings_per_s": v} for length, v in emb_per_s.items()},
             "encoder_requests_per_server": []}
 
 
 def test_efficiency_against_n_times_one_gpu():
-    points = {"1": point(_512=1000.0, _4096=100.0), "2": point(_512=1900.0, _4096=200.0),
-              "4": point(_512=3000.0, _1024=900.0)}
+    points = {"1": point({"512": 1000.0, "4096": 100.0}), "2": point({"512": 1900.0, "4096": 200.0}),
+              "4": point({"512": 3000.0, "1024": 900.0})}
     eff = efficiency(points)
     assert set(eff) == {"2", "4"}
     assert eff["2"] == pytest.approx({"512": 0.95, "4096": 1.0})
@@ -27,4 +28,4 @@ def test_efficiency_against_n_times_one_gpu():
 
 
 def test_no_single_gpu_point_no_efficiency():
-    assert efficiency({"2": point(_512=1.0)}) == {"2": {}}
+    assert efficiency({"2": point({"512": 1.0})}) == {"2": {}}

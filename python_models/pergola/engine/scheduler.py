@@ -12,8 +12,8 @@ size still finish in arrival order (the one begun has less left). A request larg
 budget is spread over steps; a sequence longer than the budget runs alone in its own step.
 
 Least work first alone starves: while smaller requests keep coming, a large one never runs and
-is dropped at its deadline (in a 4-minute CPU soak of four clients with a 60 s timeout, 4 to 5
-requests were dropped with ~9 s of work to go, so after more than 50 s in the queue; perf/soak.py).
+is dropped at its deadline (two 4-minute CPU soaks of four clients with a 60 s timeout dropped 5
+and 4 accepted requests; one with ~9 s of work to go, so after more than 50 s queued; perf/soak.py).
 So each step that passes a request over counts its work as 1/AGING of a step budget less: a
 request waits for at most about AGING times its own work of requests that came after it, and
 least work first holds among requests of similar age.
