@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from conftest import TEXTS, cosine_rows
+from conftest import MIN_COSINE, TEXTS, cosine_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import fuzz_server  # noqa: E402
@@ -41,7 +41,7 @@ def test_fuzzed_requests_get_errors_or_right_answers(server, st_model, reference
             return f"the good request failed: {e}"
         if not client.is_ready():
             return "the server is not ready"
-        return None if cosine_rows(out, reference[:2]).min() >= 0.9999 else "the good request got a wrong answer"
+        return None if cosine_rows(out, reference[:2]).min() >= MIN_COSINE else "the good request got a wrong answer"
 
     # Every text the fuzzer sends is one of STRINGS (or random bytes, refused as invalid UTF-8):
     # an answered embedding request's rows must each be one of their embeddings.
@@ -58,7 +58,7 @@ def test_fuzzed_requests_get_errors_or_right_answers(server, st_model, reference
             return None  # DIMENSIONS cut it: its values were checked as finite
         unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
         best = (unit @ (known / np.linalg.norm(known, axis=1, keepdims=True)).T).max(axis=1)  # [rows]
-        return None if best.min() >= 0.9999 else f"an answered row matches no text it could be ({best.min():.4f})"
+        return None if best.min() >= MIN_COSINE else f"an answered row matches no text it could be ({best.min():.4f})"
 
     tally = fuzz_server.run(f"127.0.0.1:{server.http_url.rsplit(':', 1)[1]}", server.grpc_url, "minilm", CASES,
                             seed=1234, check_good=check_good, check_answer=check_answer)

@@ -17,16 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MAX_TEXT_CHARS, TEST_DEVICE, TEXTS, RunningServer, cosine_rows
+from conftest import (MAX_TEXT_CHARS, MIN_COSINE, TEST_DEVICE, TEXTS, RunningServer, cosine_rows,
+                      describe_processes)
 from test_rerank import DOCS, QUERY, cross_encoder_logits, cross_encoder_reference
 
 KEY = "gateway-test-key-0123456789"
 MODELS = "minilm,ce,qr"  # the session server's ensembles (its index is closed to the gateway)
-# Bounds against the references (sentence-transformers, CrossEncoder, transformers, all FP32 on the
-# CPU): FP32 on the CPU; a GPU test server runs BF16, whose bounds are the project's (cosine >= 0.999)
-# and test_rerank.py's for scores. SAME_ATOL: one answer through two doors (the gateway, Triton's),
-# which on a GPU may ride in steps of other sizes, so other matmul kernels and BF16 roundings.
-MIN_COSINE = 0.9999 if TEST_DEVICE == "cpu" else 0.999
+# Bounds by the test server's dtype (conftest.MIN_COSINE); scores as test_rerank.py's. SAME_ATOL: one
+# unit vector through two doors (the gateway, Triton's), which on a GPU may ride in steps of other
+# sizes, so other matmul kernels and BF16 roundings.
 SCORE_ATOL = 1e-4 if TEST_DEVICE == "cpu" else 1e-2
 SAME_ATOL = 1e-6 if TEST_DEVICE == "cpu" else 2e-3
 
@@ -854,7 +853,8 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
     deadline = time.monotonic() + 15
     while stub_processes(repo) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not stub_processes(repo), "the killed server's stubs are still running"
+    left = stub_processes(repo)
+    assert not left, f"the killed server's stubs are still running:\n{describe_processes(left)}"
     failed = [a for a in answers if not isinstance(a, np.ndarray)]
     assert not failed, failed[:3]
     assert len(answers) > 6
