@@ -93,6 +93,8 @@ def test_an_id_missing_from_the_cache_offline_names_the_cache(cache: Path):
     assert str(cache) in message and "HF_HUB_OFFLINE=1" in message and "pergola download BAAI/bge-m3" in message
     with pytest.raises(HubError, match="v9"):
         resolve(f"{REPO_ID}@v9")
+    with pytest.raises(HubError, match=f"{'0' * 40} is not a folder here.*pergola download"):
+        resolve(f"{REPO_ID}@{'0' * 40}")  # a commit the cache lacks
 
 
 @pytest.mark.parametrize("left_out, named", [("tokenizer.json", "tokenizer.json"),

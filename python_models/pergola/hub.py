@@ -26,6 +26,7 @@ ALLOW_PATTERNS = [
 # What a snapshot must hold for pergola to serve it (the weights are checked separately).
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 MODEL_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a full commit hash: the one revision a cache can answer alone
 
 
 class HubError(ValueError):
@@ -87,13 +88,25 @@ def resolve(value: str) -> ModelSource:
     return ModelSource(folder, repo_id, folder.name)
 
 
+def cached_commit(repo_id: str, revision: str | None) -> Path | None:
+    """A pinned commit's snapshot straight from the cache, with no call to the Hub: a commit never
+    moves, and huggingface_hub 1.x asks the Hub's API for one even with HF_HUB_OFFLINE=1 (and raises
+    OfflineModeIsEnabled; seen on the GPU host's 1.x, not with 2.4)."""
+    if revision is None or not COMMIT.fullmatch(revision):
+        return None
+    folder = cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
+    return folder if folder.is_dir() else None
+
+
 def snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The snapshot folder of `repo_id` at `revision` (default: main), downloaded if not cached."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
     spec = f"{repo_id}@{revision}" if revision else repo_id
+    if (pinned := cached_commit(repo_id, revision)) is not None:
+        return pinned
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS))
     except GatedRepoError:
@@ -104,7 +117,7 @@ def snapshot(repo_id: str, revision: str | None = None) -> Path:
                        "HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise HubError(f"{repo_id} has no revision {revision!r} (a branch, tag or commit)") from None
-    except LocalEntryNotFoundError as e:
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         where = "HF_HUB_OFFLINE=1 is set" if offline() else f"the Hub could not be reached ({e.__cause__ or e})"
         raise HubError(
             f"{spec} is not a folder here, nor in the Hugging Face cache {cache_dir()}, and {where}: fill the cache with "
