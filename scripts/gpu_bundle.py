@@ -65,6 +65,17 @@ WHEELS = [
     ("click==8.5.1", "if:click>=7"),
     ("prometheus_client==0.26.0", "if:prometheus_client>=0.20"),  # the gateway's /metrics
     ("typing_extensions==4.16.0", "if:typing_extensions>=4.12"),
+    # the gateway's spans under --otlp-endpoint (pergola.gateway.tracing; tests/test_metrics_server.py)
+    ("opentelemetry-api==1.45.2", "site"),
+    ("opentelemetry-sdk==1.45.2", "site"),
+    ("opentelemetry-semantic-conventions==0.66b2", "site"),
+    ("opentelemetry-proto==1.45.2", "site"),
+    ("opentelemetry-exporter-otlp-proto-common==1.45.2", "site"),
+    ("opentelemetry-exporter-otlp-proto-http==1.45.2", "site"),
+    ("opentelemetry-exporter-otlp-common==0.66b2", "site"),
+    ("opentelemetry-exporter-http-transport==0.66b2", "site"),
+    ("googleapis-common-protos==1.76.0", "if:googleapis-common-protos>=1.52"),
+    ("requests==2.34.2", "if:requests>=2.7"),
     # its tests' client (the openai SDK)
     ("openai==3.60.0", "site"),
     ("httpx2==2.16.2", "site"),  # (openai 3.x's HTTP client, not httpx)

@@ -241,6 +241,22 @@ def test_the_gateway_forwards_only_a_well_formed_traceparent():
     assert with_trace(None) is None  # outside a request
 
 
+def test_a_gateway_told_to_export_spans_without_the_sdk_refuses_to_start(monkeypatch):
+    """(Else every request answered 500 on its first span, as on a host without the packages.)"""
+    import sys
+
+    from pergola.gateway.tracing import require_sdk
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://otel:4318/v1/traces")
+    require_sdk()  # installed here: starts
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(RuntimeError, match="an OTLP endpoint is set .* pip install opentelemetry-sdk"):
+        require_sdk()
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    require_sdk()  # no endpoint: nothing to export
+
+
 def test_otlp_endpoint_becomes_tritons_trace_flags_and_a_bad_one_is_refused():
     from pergola.server import ServerOptions, trace_flags
 

@@ -30,6 +30,7 @@ GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
 
 
 def build_app(opts: GatewayOptions) -> Starlette:
+    tracing.require_sdk()
     holder: dict[str, Gateway] = {}
 
     def bound(handler: GatewayHandler) -> Callable[[Request], Awaitable[Any]]:

@@ -24,10 +24,28 @@ TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{1
 _current: ContextVar[str | None] = ContextVar("traceparent", default=None)
 
 
+def exporting() -> bool:
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def require_sdk() -> None:
+    """Refuse to start a gateway told to export spans without the packages that export them:
+    otherwise every request would fail with a 500 on its first span (seen where the gateway's
+    host lacked them)."""
+    if not exporting():
+        return
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"an OTLP endpoint is set (--otlp-endpoint or OTEL_EXPORTER_OTLP_*ENDPOINT) but {e}: "
+                           "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http, or unset it") from None
+
+
 @functools.lru_cache(maxsize=1)
 def tracer() -> Any:
     """The gateway's tracer (batched OTLP/HTTP export), or None when no endpoint is configured."""
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+    if not exporting():
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
