@@ -243,8 +243,15 @@ def exit_soon(pb_utils: Any, model: str, exc: BaseException, delay_s: float = 1.
     threading.Timer(delay_s, os._exit, args=(70,)).start()
 
 
+# A shell that ends the stub (SIGKILL) once tritonserver ($1) has gone, and ends itself when the
+# stub ($2) has ended on its own. kill -0 only asks whether a process exists.
+_WATCHDOG = ('while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 2; done; '
+             'kill -0 "$1" 2>/dev/null || kill -9 "$2" 2>/dev/null')
+_watchdogs: list[Any] = []  # (held: a dropped Popen of a running process warns)
+
+
 def end_with_server(every_s: float = 1.0) -> None:
-    """End this stub process at once when tritonserver, its parent, has gone.
+    """End this stub process when tritonserver, its parent, has gone.
 
     Triton 2.51's stub watches its parent as well, but its way out first locks the queue to the
     server, and a stub that was inside a call to the server at that moment (a metric update, a
@@ -252,8 +259,14 @@ def end_with_server(every_s: float = 1.0) -> None:
     was still alive minutes later, with its memory (a GPU's included: what the restarted server
     needs), in each of three runs of tests/test_gateway.py's two-replica test. A parent that
     has gone and been reaped leaves this process to another parent, so os.getppid() changes;
-    os._exit then skips every lock and finalizer, as nothing is left to answer.
-    """
+    a thread that sees it calls os._exit, which skips every lock and finalizer.
+
+    That thread needs the GIL, and python_backend's metric calls (Metric.set in every version
+    read, increment in some) wait for the server's reply while holding it: a stub caught there
+    runs no Python again, the likely reason two stubs of a killed server were left on the H200
+    host (2026-12-05, tests/test_gateway.py). So a small shell process beside each stub, which
+    needs nothing from it, kills it too (tests/test_hardening.py holds a stub's GIL for good)."""
+    import subprocess
     import threading
 
     parent = os.getppid()
@@ -264,3 +277,6 @@ def end_with_server(every_s: float = 1.0) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="pergola-parent-watch", daemon=True).start()
+    _watchdogs.append(subprocess.Popen(["sh", "-c", _WATCHDOG, "pergola-stub-watchdog", str(parent), str(os.getpid())],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True))
