@@ -25,16 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 sys.path.insert(0, str(ROOT / "python_models"))
 from pergola_client import PergolaClient  # noqa: E402
+from pergola.supervisor import resident_bytes  # noqa: E402
 
 
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+def rss_mb(pid: int) -> float:
+    return resident_bytes(pid) / 2**20
 
 
 def server_processes(repo: Path) -> dict[str, list[int]]:
@@ -55,7 +50,7 @@ def server_processes(repo: Path) -> dict[str, list[int]]:
 
 def sample(repo: Path) -> dict[str, float]:
     """Process name -> RSS in MB (a model's instances summed)."""
-    return {name: sum(rss_mb(p) or 0.0 for p in pids) for name, pids in server_processes(repo).items()}
+    return {name: sum(rss_mb(p) for p in pids) for name, pids in server_processes(repo).items()}
 
 
 def error_kind(error: Exception) -> str:

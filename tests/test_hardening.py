@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TEXTS, ServeProcess, cosine_rows, start_serve
+from conftest import TEXTS, ServeProcess, cosine_rows, describe_processes, start_serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import fuzz_server  # noqa: E402
@@ -254,7 +254,11 @@ def wait_for_service(served: ServeProcess, reference: np.ndarray, since: float, 
             except Exception:  # noqa: BLE001 - still restarting
                 pass
         time.sleep(0.2)
-    raise AssertionError(f"not recovered (saw not-ready: {saw_not_ready}):\n{served.log_tail()}")
+    try:
+        server = describe_processes([tritonserver_pid(served.repo)])
+    except AssertionError as e:
+        server = str(e)
+    raise AssertionError(f"not recovered (saw not-ready: {saw_not_ready}); {server}\n{served.log_tail()}")
 
 
 def test_recovery_when_tritonserver_itself_crashes(served, reference):
@@ -282,6 +286,61 @@ def test_recovery_after_a_request_that_crashes_triton(served, reference, case):
         took = wait_for_service(served, reference, sent_at)
         assert took <= 20.0, took
     assert ready(served)
+
+
+def test_a_server_whose_memory_runs_away_is_restarted(tmp_path):
+    """Where the host overcommits, Triton 2.51 keeps filling what a request's shape claims (113 GB
+    a minute after a 2^40-element JSON input on the H100 host, where the CPU host aborts at once):
+    the supervisor's memory limit turns that into a restart. A process that grows past the limit
+    is reported; one under it is watched until it ends."""
+    from pergola.supervisor import Supervisor
+
+    class Live:  # the server answers /v2/health/live: only the memory can end the watch
+        def live(self) -> bool:
+            return True
+
+    grow = "import time; b = bytearray({}); time.sleep(30)"
+    supervisor = Supervisor(tmp_path, Live(), interval_s=0.1, memory_limit_bytes=200 << 20)
+    big = subprocess.Popen([sys.executable, "-c", grow.format(400 << 20)])
+    small = subprocess.Popen([sys.executable, "-c", grow.format(1 << 20).replace("30", "2")])
+    try:
+        reason = supervisor.watch(lambda: big.poll() is None, pid=big.pid)
+        assert reason is not None and "over its 0.2 GB limit (--server-memory-gb" in reason
+        assert supervisor.watch(lambda: small.poll() is None, pid=small.pid) is None
+    finally:
+        big.kill(), small.kill(), big.wait(), small.wait()
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not ended (a zombie waiting for a reaper has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_stub_that_holds_its_gil_for_good_still_ends_with_its_server():
+    """A stand-in stub (a child of a stand-in server) calls end_with_server and then blocks
+    holding the GIL, as one waiting inside a python_backend metric call on a dead server does:
+    the watch thread alone never runs again; the watchdog process ends the stub anyway."""
+    stub = ("import ctypes, sys; sys.path.insert(0, %r); from pergola.triton_io import end_with_server; "
+            "end_with_server(); print('ready', flush=True); ctypes.PyDLL(None).sleep(120)")
+    server = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r]); "
+              "print(p.pid, flush=True); time.sleep(120)")
+    code = server % (stub % str(Path(__file__).resolve().parents[1] / "python_models"))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready"
+        parent.kill()
+        parent.wait()  # reaped, as tritonserver is by whoever started it
+        deadline = time.monotonic() + 10
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(child), describe_processes([child])
+    finally:
+        parent.kill()
+        subprocess.run(["pkill", "-9", "-f", "pergola-stub-watchdog " + str(parent.pid)], check=False)
 
 
 def test_shutdown_is_clean_and_quick(served):

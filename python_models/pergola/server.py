@@ -122,6 +122,10 @@ class ServerOptions:
                                        metavar="http://HOST:4318/v1/traces")
     trace_rate: int = option(1, "with --otlp-endpoint: trace one request in this many")
     shm_bytes: int = option(8 << 20, "Python backend shared-memory arena per model instance, grown by as much")
+    server_memory_gb: float = option(8.0, "restart tritonserver when its own resident memory passes this (models "
+                                          "live in their stubs, apart): Triton 2.51 allocates and fills what an "
+                                          "HTTP request's shape claims, 113 GB in a minute on a host that "
+                                          "overcommits; 0: no limit")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
@@ -324,7 +328,8 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
     shm_prefix = f"pergola_{os.getpid()}_"
     cmd = server_command(install, opts) + [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
     print("+ " + " ".join(redact(cmd, opts.admin_token, opts.api_key)), flush=True)
-    supervisor = Supervisor(opts.repo, RepositoryClient(f"{opts.local_host}:{opts.http_port}", opts.admin_token))
+    supervisor = Supervisor(opts.repo, RepositoryClient(f"{opts.local_host}:{opts.http_port}", opts.admin_token),
+                            memory_limit_bytes=int(opts.server_memory_gb * 2**30))
     stopping = False
     proc: subprocess.Popen | None = None
 
@@ -346,7 +351,7 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
         crashed = _forward_output(proc)
         try:
             wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host, crashed=crashed)
-            reason = supervisor.watch(lambda: proc.poll() is None and not stopping and not crashed)
+            reason = supervisor.watch(lambda: proc.poll() is None and not stopping and not crashed, pid=proc.pid)
         except ServerError:
             if not crashed:
                 break  # exited, or never ready: its own log says why

@@ -62,21 +62,40 @@ def live_stubs(repo: Path) -> dict[str, int]:
     return {name: len(p) for name, p in stub_pids(repo).items()}
 
 
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), 0 once it has gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class Supervisor:
-    """Watches one server for a dead stub or a hung server (server.serve_supervised restarts it)."""
+    """Watches one server for a dead stub, a hung server or one whose own memory runs away
+    (server.serve_supervised restarts it)."""
 
     def __init__(self, repo: Path, api: RepositoryClient, interval_s: float = 0.5,
-                 live_every_s: float = 2.0, live_failures: int = 3) -> None:
+                 live_every_s: float = 2.0, live_failures: int = 3, memory_limit_bytes: int = 0) -> None:
         self.repo = repo
         self.api = api
+        # Triton 2.51's HTTP server allocates and fills whatever element count a JSON input's shape
+        # claims (2^40 INT64: std::bad_alloc and abort where the host refuses, but on a host that
+        # overcommits it kept filling: 113 GB resident a minute later, H100 host,
+        # perf/results/2026-12-05-05e666b/hardening_diag.log), so the OOM killer would end it later,
+        # maybe with other processes. Over this, it is restarted like a crashed server. 0: no limit.
+        self.memory_limit_bytes = memory_limit_bytes
         self.interval_s = interval_s
         self.live_every_s = live_every_s  # how often /v2/health/live is asked
         self.live_failures = live_failures  # unanswered in a row before the server counts as hung
 
-    def watch(self, running: Callable[[], bool]) -> str | None:
+    def watch(self, running: Callable[[], bool], pid: int | None = None) -> str | None:
         """Block while `running()`; return why the server must be restarted (a READY model lost
-        a stub, or the server stopped answering: a crashed process can hang in its crash
-        handler), or None once `running()` is false (the server exited, or shutdown began)."""
+        a stub, the server stopped answering: a crashed process can hang in its crash handler,
+        or tritonserver's process `pid` holds more memory than its limit), or None once
+        `running()` is false (the server exited, or shutdown began)."""
         # Per model, the stubs it should have: its config's count, or more if Triton started
         # more (KIND_GPU places `count` instances on every visible GPU). The fewest seen over a
         # couple of seconds: a stub Triton ran only to complete a config may still be exiting.
@@ -91,6 +110,9 @@ class Supervisor:
             time.sleep(self.interval_s)
             if not running():  # (a crash seen in the output while asleep: no call may wait on it)
                 break
+            if pid is not None and self.memory_limit_bytes and (rss := resident_bytes(pid)) > self.memory_limit_bytes:
+                return (f"tritonserver holds {rss / 2**30:.1f} GB, over its {self.memory_limit_bytes / 2**30:.1f} GB "
+                        "limit (--server-memory-gb; a request that claimed a huge input?)")
             alive = live_stubs(self.repo)
             short = {name: alive.get(name, 0) for name, want in expected.items() if alive.get(name, 0) < want}
             if short and running():
