@@ -240,7 +240,8 @@ PERGOLA_SPANS = {  # what the adapter itself does, by pair of its marks
     "decode inputs": ("execute", "decoded"), "validate": ("decoded", "validated"),
     "options + job": ("validated", "options"), "submit": ("options", "submitted"),
     "loop wake-up": ("submitted", "started"), "engine (step + copy back)": ("started", "engine_done"),
-    "build response": ("engine_done", "built"), "send": ("built", "sent"),
+    "metrics": ("engine_done", "metered"), "output tensors": ("metered", "outputs"),
+    "response object": ("outputs", "built"), "send": ("built", "sent"),
 }
 
 

@@ -7,6 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
+#                                              # recheck fp8_server
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -140,6 +141,14 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
         --suites inproc server --out "$OUT/vllm_minilm.json") ;;
+    recheck)  # the tests the whole suite failed on the GPU at 05e666b, after their changes (~5 minutes)
+      PERGOLA_TEST_DEVICE=gpu run pytest_recheck python3 -m pytest -q -ra \
+        tests/test_bge_m3.py tests/test_hub.py tests/test_overload.py tests/test_properties.py tests/test_fuzz.py \
+        tests/test_metrics_server.py tests/test_hardening.py \
+        tests/test_gateway.py::test_two_replicas_share_the_work_and_survive_one_dying ;;
+    fp8_server)  # FP8 through tritonserver: batch-1 latency and the throughput suite, beside `server`'s BF16
+      run server_fp8 python3 perf/bench_server.py --model qwen3-0.6b --suites latency throughput perf_analyzer \
+        --latency-n 60 --option quantization=fp8 --out "$OUT/server_fp8.json" ;;
     batch1)  # batch-1 latency through Triton only (latency + perf_analyzer suites), ~1 minute
       run batch1 python3 perf/bench_server.py --model qwen3-0.6b --suites latency perf_analyzer --latency-n 100 \
         --out "$OUT/server_batch1.json" ;;

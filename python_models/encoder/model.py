@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from pergola.adapter_timing import AdapterTiming
 from pergola.config import EngineConfig
-from pergola.encodings import encoded_outputs
+from pergola.encodings import EMBEDDING_TENSORS, encoded_outputs
 from pergola.classify import ClassifyOptions
 from pergola.heads import activate, activation, label_names
 from pergola.engine import EncodeRequest, Engine
@@ -29,7 +29,7 @@ from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloadin
 from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
-from pergola.token_outputs import row_width, skipped_token_ids, token_outputs
+from pergola.token_outputs import TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
 from pergola.triton_io import (EmbedOptions, RequestInputs, classify_options, embed_options, end_with_server,
                                error_response, exit_soon, instance_device, is_fatal_device_error, optional_array,
                                required_array, rerank_options, set_cpu_threads)
@@ -159,6 +159,8 @@ class TritonPythonModel:
             raise
         if pooled is None:
             return None
+        if marks is not None:
+            marks["engine_done"] = time.monotonic_ns()
         with self.metrics_lock:
             self.metrics.observe_at_once(int(req.input_ids.size), time.perf_counter() - t0)
             if not self.cfg.metrics_flush_s:  # (asked for after every batch; otherwise the idle loop
@@ -166,8 +168,11 @@ class TritonPythonModel:
                 # per histogram bucket, which this request would wait for)
                 self.metrics.update(self.engine.stats)
         if marks is not None:
-            marks["engine_done"] = time.monotonic_ns()
-        response = pb_utils.InferenceResponse(self._tensors(options, req, request.requested_output_names(), pooled))
+            marks["metered"] = time.monotonic_ns()
+        tensors = self._tensors(options, req, request.requested_output_names(), pooled)
+        if marks is not None:
+            marks["outputs"] = time.monotonic_ns()
+        response = pb_utils.InferenceResponse(tensors)
         if marks is not None:
             marks["built"] = marks["sent"] = time.monotonic_ns()
         return response
@@ -176,7 +181,10 @@ class TritonPythonModel:
                  req: EncodeRequest, wanted: set[str], pooled: np.ndarray) -> None:
         if marks is not None:
             marks["engine_done"], marks["started"] = time.monotonic_ns(), int(marks.pop("job").started_at * 1e9)
+            marks["metered"] = marks["engine_done"]  # (the loop meters its steps itself)
         tensors = self._tensors(options, req, wanted, pooled)
+        if marks is not None:
+            marks["outputs"] = time.monotonic_ns()
         response = pb_utils.InferenceResponse(tensors)
         if marks is not None:
             marks["built"] = time.monotonic_ns()
@@ -198,18 +206,26 @@ class TritonPythonModel:
             score = activate(pooled[:, :1], self.activation, options.raw_scores)[:, 0]  # [n], input order
             outputs = {"SCORE": score, "INDICES": rank(score, options.top_n)}
         else:
-            outputs = self._embeddings(options, req, pooled)
+            outputs = self._embeddings(options, req, pooled, wanted)
         # Only the outputs asked for: each costs a tensor in shared memory and an output in the server
         # (a direct call that names EMBEDDING gets 1 instead of 9; an ensemble asks for all it maps).
         return [pb_utils.Tensor(k, v) for k, v in outputs.items() if k in wanted]
 
-    def _embeddings(self, options: EmbedOptions, req: EncodeRequest, pooled: np.ndarray) -> dict[str, np.ndarray]:
-        """EMBEDDING* ([n, 0] when OUTPUTS leaves out dense) and bge-m3's ragged SPARSE_* / TOKEN_*
-        (empty unless asked for): every output, as the ensemble maps them all."""
-        dense = pooled if "dense" in options.outputs else pooled[:, :0]
-        outputs = encoded_outputs(finish(dense, options.dimensions, options.normalize), options.encoding)
-        return outputs | token_outputs(self.engine.spec, options.outputs, req.input_ids, req.lengths, req.token_rows,
-                                       self.skipped_ids)
+    def _embeddings(self, options: EmbedOptions, req: EncodeRequest, pooled: np.ndarray,
+                    wanted: set[str]) -> dict[str, np.ndarray]:
+        """Those of EMBEDDING* ([n, 0] when OUTPUTS leaves out dense) and bge-m3's ragged SPARSE_* /
+        TOKEN_* (empty unless OUTPUTS asks for them) that the caller wants: an ensemble maps them
+        all, a direct caller usually names one. Only those: on the stub's path every numpy call
+        costs microseconds (the outputs took 44 µs of a batch-1 request on the CPU host, History
+        2026-12-05 in perf/RESULTS.md)."""
+        outputs = {}
+        if not EMBEDDING_TENSORS.isdisjoint(wanted):
+            dense = pooled if "dense" in options.outputs else pooled[:, :0]
+            outputs = encoded_outputs(finish(dense, options.dimensions, options.normalize), options.encoding, wanted)
+        if not TOKEN_TENSORS.isdisjoint(wanted):
+            outputs |= token_outputs(self.engine.spec, options.outputs, req.input_ids, req.lengths, req.token_rows,
+                                     self.skipped_ids)
+        return outputs
 
     @classmethod
     def _fail(cls, sender, exc: BaseException) -> None:

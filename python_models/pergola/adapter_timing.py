@@ -11,6 +11,8 @@ CLOCK_MONOTONIC on Linux, the clock of Triton's own trace timestamps, so the two
     submitted    queued on the encode loop           (execute() then returns: COMPUTE_END)
     started      the loop put its first sequence into a step
     engine_done  the loop handed its result back (step done, copied to the host)
+    metered      a query answered at once: its metrics recorded (the loop meters its own steps)
+    outputs      its output arrays and pb_utils.Tensor objects made
     built        its response built
     sent         sender.send() returned              (Triton: REQUEST_END)
 

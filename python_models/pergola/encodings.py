@@ -21,6 +21,8 @@ per-row max-abs scale would silently drop the norms a caller asked to keep by tu
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from pergola.errors import RequestError
@@ -35,6 +37,7 @@ OUTPUTS: dict[str, tuple[str, type]] = {
     "binary": ("EMBEDDING_BINARY", np.uint8),
 }
 ALIASES = {"ubinary": "binary"}
+EMBEDDING_TENSORS = frozenset(name for name, _ in OUTPUTS.values())
 
 
 def check_encoding(value: str | None, normalize: bool) -> str:
@@ -64,13 +67,15 @@ def quantize(embeddings: np.ndarray, encoding: str) -> np.ndarray:
     return embeddings
 
 
-def encoded_outputs(embeddings: np.ndarray, encoding: str) -> dict[str, np.ndarray]:
-    """Every embedding output, by tensor name, as sent: `encoding`'s in full, the others [n, 0].
+def encoded_outputs(embeddings: np.ndarray, encoding: str,
+                    wanted: Collection[str] = EMBEDDING_TENSORS) -> dict[str, np.ndarray]:
+    """The embedding outputs in `wanted`, by tensor name, as sent: `encoding`'s in full (always),
+    the others [n, 0].
 
     An ensemble fails a request when an output the client wants (all of them, when it lists
-    none) was not produced, so every one is sent; the empty ones cost nothing on the wire."""
+    none) was not produced, so every one wanted is sent; the empty ones cost nothing on the wire."""
     n = embeddings.shape[0]
-    out = {name: np.empty((n, 0), dtype=dtype) for name, dtype in OUTPUTS.values()}
+    out = {name: np.empty((n, 0), dtype=dtype) for name, dtype in OUTPUTS.values() if name in wanted}
     name, wire_dtype = OUTPUTS[encoding]
     out[name] = np.ascontiguousarray(quantize(embeddings, encoding)).view(wire_dtype)
     return out

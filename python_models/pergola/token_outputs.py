@@ -24,6 +24,7 @@ from pergola.errors import RequestError
 from pergola.hf_folder import ModelSpec
 
 DEFAULT_OUTPUTS = ("dense",)
+TOKEN_TENSORS = frozenset(("SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"))
 # The special tokens FlagEmbedding leaves out of the lexical weights (its `unused_tokens`).
 SKIPPED_SPECIALS = ("cls_token", "eos_token", "pad_token", "unk_token")
 
