@@ -38,7 +38,8 @@ EVIL_CONFIG = {"name": "x", "backend": "python", "max_batch_size": 0,
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
-    served = start_serve(tmp_path_factory.mktemp("serve"), f"mini={minilm_folder}")
+    # a low memory bound: the request that makes Triton fill memory is caught within seconds on any host
+    served = start_serve(tmp_path_factory.mktemp("serve"), f"mini={minilm_folder}", "--server-memory-gb", "4")
     yield served
     served.stop()
 
@@ -300,6 +301,10 @@ def test_a_server_whose_memory_runs_away_is_restarted(tmp_path):
             return True
 
     grow = "import time; b = bytearray({}); time.sleep(30)"
+    from pergola.server import server_memory_limit
+
+    assert server_memory_limit(-1) == 0 and server_memory_limit(0.5) == 1 << 29
+    assert 0 < server_memory_limit(0) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     supervisor = Supervisor(tmp_path, Live(), interval_s=0.1, memory_limit_bytes=200 << 20)
     big = subprocess.Popen([sys.executable, "-c", grow.format(400 << 20)])
     small = subprocess.Popen([sys.executable, "-c", grow.format(1 << 20).replace("30", "2")])

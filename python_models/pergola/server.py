@@ -122,10 +122,11 @@ class ServerOptions:
                                        metavar="http://HOST:4318/v1/traces")
     trace_rate: int = option(1, "with --otlp-endpoint: trace one request in this many")
     shm_bytes: int = option(8 << 20, "Python backend shared-memory arena per model instance, grown by as much")
-    server_memory_gb: float = option(8.0, "restart tritonserver when its own resident memory passes this (models "
-                                          "live in their stubs, apart): Triton 2.51 allocates and fills what an "
-                                          "HTTP request's shape claims, 113 GB in a minute on a host that "
-                                          "overcommits; 0: no limit")
+    server_memory_gb: float = option(0.0, "restart tritonserver when its own resident memory passes this many GB "
+                                          "(models live in their stubs, apart; responses pass through it): Triton "
+                                          "2.51 allocates and fills what an HTTP request's shape claims, 113 GB in "
+                                          "a minute on a host that overcommits; 0: half of this host's memory; "
+                                          "negative: no limit")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
@@ -311,6 +312,16 @@ def _forward_output(proc: subprocess.Popen) -> list[str]:
     return crashed
 
 
+def server_memory_limit(gb: float) -> int:
+    """--server-memory-gb in bytes: 0 is half of this host's memory (a bge-m3 multi-vector answer of
+    64 x 8,192 tokens is 2 GB on its way out), negative is no limit (0 bytes)."""
+    if gb < 0:
+        return 0
+    if gb == 0:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return int(gb * 2**30)
+
+
 def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = None) -> int:
     """Run tritonserver in the foreground and restart it whenever a model's stub dies or the
     server itself crashes while serving (`make serve`).
@@ -329,7 +340,7 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
     cmd = server_command(install, opts) + [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
     print("+ " + " ".join(redact(cmd, opts.admin_token, opts.api_key)), flush=True)
     supervisor = Supervisor(opts.repo, RepositoryClient(f"{opts.local_host}:{opts.http_port}", opts.admin_token),
-                            memory_limit_bytes=int(opts.server_memory_gb * 2**30))
+                            memory_limit_bytes=server_memory_limit(opts.server_memory_gb))
     stopping = False
     proc: subprocess.Popen | None = None
 
