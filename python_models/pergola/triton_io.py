@@ -244,9 +244,9 @@ def exit_soon(pb_utils: Any, model: str, exc: BaseException, delay_s: float = 1.
 
 
 # A shell that ends the stub (SIGKILL) once tritonserver ($1) has gone, and ends itself when the
-# stub ($2) has ended on its own. kill -0 only asks whether a process exists.
+# stub ($2) has ended on its own (then it kills nothing). kill -0 only asks whether a process exists.
 _WATCHDOG = ('while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 2; done; '
-             'kill -0 "$1" 2>/dev/null || kill -9 "$2" 2>/dev/null')
+             'kill -0 "$1" 2>/dev/null || { kill -0 "$2" 2>/dev/null && kill -9 "$2"; }')
 _watchdogs: list[Any] = []  # (held: a dropped Popen of a running process warns)
 
 
