@@ -7,7 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server
+#                                              # recheck fp8_server mixed_fill
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -84,6 +84,12 @@ for step in "$@"; do
       for gap in 2 10 30; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
+      done ;;
+    mixed_fill)  # bulk kept and query latency against the fill of a query's step (query_fill_tokens):
+      # one bulk sequence of 512 or two ride along with the query, 100 x 512, ~1 min each
+      for fill in 640 1152; do
+        run "mixed_fill${fill}" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
+          --option "query_fill_tokens=$fill" --out "$OUT/mixed_fill${fill}.json"
       done ;;
     scaling)  # several GPUs (a multi-GPU kind): one server over N GPUs vs one per GPU behind the gateway,
       # 100 x 512 / 1,024 / 4,096 at N = 1, 2 and every GPU the host has (~2 min per layout and N)
