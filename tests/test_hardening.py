@@ -294,20 +294,20 @@ def test_a_server_whose_memory_runs_away_is_restarted(tmp_path):
     a minute after a 2^40-element JSON input on the H100 host, where the CPU host aborts at once):
     the supervisor's memory limit turns that into a restart. A process that grows past the limit
     is reported; one under it is watched until it ends."""
+    from pergola.server import server_memory_limit
     from pergola.supervisor import Supervisor
 
     class Live:  # the server answers /v2/health/live: only the memory can end the watch
         def live(self) -> bool:
             return True
 
-    grow = "import time; b = bytearray({}); time.sleep(30)"
-    from pergola.server import server_memory_limit
+    def holding(size: int, seconds: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", f"import time; b = bytearray({size}); time.sleep({seconds})"])
 
     assert server_memory_limit(-1) == 0 and server_memory_limit(0.5) == 1 << 29
     assert 0 < server_memory_limit(0) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     supervisor = Supervisor(tmp_path, Live(), interval_s=0.1, memory_limit_bytes=200 << 20)
-    big = subprocess.Popen([sys.executable, "-c", grow.format(400 << 20)])
-    small = subprocess.Popen([sys.executable, "-c", grow.format(1 << 20).replace("30", "2")])
+    big, small = holding(400 << 20, 30), holding(1 << 20, 2)
     try:
         reason = supervisor.watch(lambda: big.poll() is None, pid=big.pid)
         assert reason is not None and "over its 0.2 GB limit (--server-memory-gb" in reason
@@ -334,6 +334,7 @@ def test_a_stub_that_holds_its_gil_for_good_still_ends_with_its_server():
               "print(p.pid, flush=True); time.sleep(120)")
     code = server % (stub % str(Path(__file__).resolve().parents[1] / "python_models"))
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "ready"
@@ -346,6 +347,8 @@ def test_a_stub_that_holds_its_gil_for_good_still_ends_with_its_server():
     finally:
         parent.kill()
         subprocess.run(["pkill", "-9", "-f", "pergola-stub-watchdog " + str(parent.pid)], check=False)
+        if child is not None and running(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_shutdown_is_clean_and_quick(served):
