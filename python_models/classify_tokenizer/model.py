@@ -6,7 +6,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.classify import ClassifyTokenizer
-from pergola.triton_io import TokenizerAdapter, classify_options, error_response, read_truncation, required_strings
+from pergola.triton_io import (RequestInputs, TokenizerAdapter, classify_options, error_response, read_truncation,
+                               required_strings)
 
 
 class TritonPythonModel(TokenizerAdapter):
@@ -14,15 +15,15 @@ class TritonPythonModel(TokenizerAdapter):
         cfg = self._setup(pb_utils, args)
         self.tokenizer = ClassifyTokenizer(cfg.spec(), cfg.text_limits())
 
-    def _execute_one(self, request) -> "pb_utils.InferenceResponse":
+    def _execute_one(self, request, inputs: RequestInputs) -> "pb_utils.InferenceResponse":
         try:
-            texts = required_strings(pb_utils, request, "TEXT")  # decoded and size-checked by encode()
-            pairs = (required_strings(pb_utils, request, "TEXT_PAIR")
-                     if pb_utils.get_input_tensor_by_name(request, "TEXT_PAIR") is not None else None)
+            texts = required_strings(inputs, request, "TEXT")  # decoded and size-checked by encode()
+            pairs = (required_strings(inputs, request, "TEXT_PAIR")
+                     if inputs.get_input_tensor_by_name(request, "TEXT_PAIR") is not None else None)
             self.trimmer.after((sum(map(len, texts)) + sum(map(len, pairs or []))) * 8)
-            options = classify_options(pb_utils, request)
+            options = classify_options(inputs, request)
             started = time.perf_counter()
-            enc = self.tokenizer.encode(texts, pairs, truncate=read_truncation(pb_utils, request, self.cfg.truncate))
+            enc = self.tokenizer.encode(texts, pairs, truncate=read_truncation(inputs, request, self.cfg.truncate))
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
         return self._respond(pb_utils, enc, started, {

@@ -80,7 +80,8 @@ class EmbedOptions(NamedTuple):
 
 class TokenizerAdapter:
     """What the tokenizer adapters (TritonPythonModel) share: their config, heap trimming, metrics,
-    and one response per request (`_execute_one`, each adapter's own)."""
+    and one response per request (`_execute_one`, each adapter's own, reading the request's inputs
+    from a RequestInputs: a text request looks up nine names)."""
 
     def _setup(self, pb_utils: Any, args: dict[str, str]) -> Any:
         """-> the model's EngineConfig (from config.pbtxt)."""
@@ -94,7 +95,7 @@ class TokenizerAdapter:
         self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
         return self.cfg
 
-    def _execute_one(self, request: Any) -> Any:
+    def _execute_one(self, request: Any, inputs: RequestInputs) -> Any:
         raise NotImplementedError
 
     def _respond(self, pb_utils: Any, enc: Any, started: float, outputs: dict[str, np.ndarray]) -> Any:
@@ -106,7 +107,7 @@ class TokenizerAdapter:
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in tensors.items()])
 
     def execute(self, requests: list) -> list:
-        return [self._execute_one(r) for r in requests]
+        return [self._execute_one(r, RequestInputs(r)) for r in requests]
 
     def finalize(self) -> None:
         self.metrics.close()

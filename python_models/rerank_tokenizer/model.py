@@ -7,8 +7,8 @@ import triton_python_backend_utils as pb_utils
 
 from pergola.errors import RequestError
 from pergola.rerank import RerankTokenizer
-from pergola.triton_io import (TokenizerAdapter, error_response, optional_count, optional_single, read_truncation,
-                               required_strings, rerank_options)
+from pergola.triton_io import (RequestInputs, TokenizerAdapter, error_response, optional_count, optional_single,
+                               read_truncation, required_strings, rerank_options)
 
 
 class TritonPythonModel(TokenizerAdapter):
@@ -16,20 +16,20 @@ class TritonPythonModel(TokenizerAdapter):
         cfg = self._setup(pb_utils, args)
         self.tokenizer = RerankTokenizer(cfg.spec(), config=cfg)  # the folder's kind of reranker
 
-    def _execute_one(self, request) -> "pb_utils.InferenceResponse":
+    def _execute_one(self, request, inputs: RequestInputs) -> "pb_utils.InferenceResponse":
         try:
-            query = required_strings(pb_utils, request, "QUERY")
+            query = required_strings(inputs, request, "QUERY")
             if len(query) != 1:
                 raise RequestError(f"QUERY takes exactly one string, got {len(query)}")
-            documents = required_strings(pb_utils, request, "DOCUMENTS")  # checked by encode()
+            documents = required_strings(inputs, request, "DOCUMENTS")  # checked by encode()
             self.trimmer.after(sum(map(len, documents)) * 8)
-            options = rerank_options(pb_utils, request)
+            options = rerank_options(inputs, request)
             started = time.perf_counter()
             enc = self.tokenizer.encode(
                 query[0], documents,
-                truncate=read_truncation(pb_utils, request, self.cfg.truncate),
-                max_document_tokens=optional_count(pb_utils, request, "MAX_DOCUMENT_TOKENS"),
-                instruction=optional_single(pb_utils, request, "INSTRUCTION"),  # checked by encode()
+                truncate=read_truncation(inputs, request, self.cfg.truncate),
+                max_document_tokens=optional_count(inputs, request, "MAX_DOCUMENT_TOKENS"),
+                instruction=optional_single(inputs, request, "INSTRUCTION"),  # checked by encode()
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)

@@ -6,8 +6,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.tokenization import TextTokenizer
-from pergola.triton_io import (TokenizerAdapter, embed_options, error_response, optional_count, optional_scalar,
-                               read_truncation, required_strings)
+from pergola.triton_io import (RequestInputs, TokenizerAdapter, embed_options, error_response, optional_count,
+                               optional_scalar, read_truncation, required_strings)
 
 
 class TritonPythonModel(TokenizerAdapter):
@@ -16,10 +16,10 @@ class TritonPythonModel(TokenizerAdapter):
         self.spec = cfg.spec()
         self.tokenizer = TextTokenizer(self.spec, cfg.text_limits())
 
-    def _tokens(self, request, texts: list) -> "pb_utils.InferenceResponse":
+    def _tokens(self, request, inputs: RequestInputs, texts: list) -> "pb_utils.InferenceResponse":
         """Asked for TOKEN_TEXT (the gateway's /tokenize): every token, untruncated, with its text."""
-        add_special = optional_scalar(pb_utils, request, "ADD_SPECIAL_TOKENS")
-        tokens = self.tokenizer.tokenize(texts, prompt_name=optional_scalar(pb_utils, request, "PROMPT_NAME"),
+        add_special = optional_scalar(inputs, request, "ADD_SPECIAL_TOKENS")
+        tokens = self.tokenizer.tokenize(texts, prompt_name=optional_scalar(inputs, request, "PROMPT_NAME"),
                                          add_special_tokens=True if add_special is None else bool(add_special))
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("INPUT_IDS", tokens.input_ids[None, :]),
@@ -28,19 +28,19 @@ class TritonPythonModel(TokenizerAdapter):
             pb_utils.Tensor("TOKEN_OFFSETS", tokens.offsets[None, :]),
         ])
 
-    def _execute_one(self, request) -> "pb_utils.InferenceResponse":
+    def _execute_one(self, request, inputs: RequestInputs) -> "pb_utils.InferenceResponse":
         try:
-            texts = required_strings(pb_utils, request, "TEXT")  # decoded and size-checked by encode()
+            texts = required_strings(inputs, request, "TEXT")  # decoded and size-checked by encode()
             if "TOKEN_TEXT" in request.requested_output_names():
-                return self._tokens(request, texts)
+                return self._tokens(request, inputs, texts)
             self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
-            options = embed_options(pb_utils, request, self.spec.hidden_size, self.spec.normalize, self.spec.outputs)
+            options = embed_options(inputs, request, self.spec.hidden_size, self.spec.normalize, self.spec.outputs)
             started = time.perf_counter()
             enc = self.tokenizer.encode(
                 texts,
-                prompt_name=optional_scalar(pb_utils, request, "PROMPT_NAME"),
-                truncate=read_truncation(pb_utils, request, self.cfg.truncate),
-                max_tokens=optional_count(pb_utils, request, "MAX_TOKENS"),
+                prompt_name=optional_scalar(inputs, request, "PROMPT_NAME"),
+                truncate=read_truncation(inputs, request, self.cfg.truncate),
+                max_tokens=optional_count(inputs, request, "MAX_TOKENS"),
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             return error_response(pb_utils, e)
