@@ -54,6 +54,19 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1)
 
 
+def state_of(proc: Path) -> str:
+    """The one-letter state (R, S, D, Z, ...) of a /proc/PID or /proc/PID/task/TID folder."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not ended (a zombie waiting for a reaper has)."""
+    try:
+        return state_of(Path(f"/proc/{pid}")) != "Z"
+    except OSError:
+        return False
+
+
 def describe_processes(pids: list[int]) -> str:
     """What each process is doing, for a failure message: its state, resident memory and where
     each thread waits in the kernel (a stub that outlives its server, a server that will not stop)."""
@@ -65,8 +78,7 @@ def describe_processes(pids: list[int]) -> str:
             threads = []
             for task in sorted(proc.glob("task/*")):
                 name = (task / "comm").read_text().strip()
-                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                threads.append(f"{name}:{state}:{(task / 'wchan').read_text().strip() or '-'}")
+                threads.append(f"{name}:{state_of(task)}:{(task / 'wchan').read_text().strip() or '-'}")
         except OSError as e:
             lines.append(f"{pid}: gone or unreadable ({e})")
             continue

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TEXTS, ServeProcess, cosine_rows, describe_processes, start_serve
+from conftest import TEXTS, ServeProcess, cosine_rows, describe_processes, running, start_serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import fuzz_server  # noqa: E402
@@ -289,11 +289,12 @@ def test_recovery_after_a_request_that_crashes_triton(served, reference, case):
     assert ready(served)
 
 
-def test_a_server_whose_memory_runs_away_is_restarted(tmp_path):
+def test_a_server_whose_memory_runs_away_is_restarted(tmp_path, monkeypatch):
     """Where the host overcommits, Triton 2.51 keeps filling what a request's shape claims (113 GB
     a minute after a 2^40-element JSON input on the H100 host, where the CPU host aborts at once):
     the supervisor's memory limit turns that into a restart. A process that grows past the limit
     is reported; one under it is watched until it ends."""
+    import pergola.server
     from pergola.server import server_memory_limit
     from pergola.supervisor import Supervisor
 
@@ -306,6 +307,12 @@ def test_a_server_whose_memory_runs_away_is_restarted(tmp_path):
 
     assert server_memory_limit(-1) == 0 and server_memory_limit(0.5) == 1 << 29
     assert 0 < server_memory_limit(0) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cgroup = tmp_path / "memory.max"  # a container's limit, when lower than the host's, is the one
+    monkeypatch.setattr(pergola.server, "CGROUP_LIMITS", (cgroup,))
+    cgroup.write_text("1073741824\n")
+    assert server_memory_limit(0) == 1 << 29
+    cgroup.write_text("max\n")
+    assert server_memory_limit(0) == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
     supervisor = Supervisor(tmp_path, Live(), interval_s=0.1, memory_limit_bytes=200 << 20)
     big, small = holding(400 << 20, 30), holding(1 << 20, 2)
     try:
@@ -314,14 +321,6 @@ def test_a_server_whose_memory_runs_away_is_restarted(tmp_path):
         assert supervisor.watch(lambda: small.poll() is None, pid=small.pid) is None
     finally:
         big.kill(), small.kill(), big.wait(), small.wait()
-
-
-def running(pid: int) -> bool:
-    """The process exists and has not ended (a zombie waiting for a reaper has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_stub_that_holds_its_gil_for_good_still_ends_with_its_server():

@@ -125,7 +125,7 @@ class ServerOptions:
     server_memory_gb: float = option(0.0, "restart tritonserver when its own resident memory passes this many GB "
                                           "(models live in their stubs, apart; responses pass through it): Triton "
                                           "2.51 allocates and fills what an HTTP request's shape claims, 113 GB in "
-                                          "a minute on a host that overcommits; 0: half of this host's memory; "
+                                          "a minute on a host that overcommits; 0: half of this host's (or container's) memory; "
                                           "negative: no limit")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
@@ -312,13 +312,31 @@ def _forward_output(proc: subprocess.Popen) -> list[str]:
     return crashed
 
 
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def available_memory() -> int:
+    """This process's memory: the host's, or its container's cgroup limit (v2, else v1) when lower
+    (a pod limited to 16 GB on a 512 GB node is OOM-killed long before half of the node)."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in CGROUP_LIMITS:
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            memory = min(memory, int(value))
+        break
+    return memory
+
+
 def server_memory_limit(gb: float) -> int:
-    """--server-memory-gb in bytes: 0 is half of this host's memory (a bge-m3 multi-vector answer of
-    64 x 8,192 tokens is 2 GB on its way out), negative is no limit (0 bytes)."""
+    """--server-memory-gb in bytes: 0 is half of the memory this process may use (a bge-m3
+    multi-vector answer of 64 x 8,192 tokens is 2 GB on its way out), negative is no limit (0 bytes)."""
     if gb < 0:
         return 0
     if gb == 0:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        return available_memory() // 2
     return int(gb * 2**30)
 
 
