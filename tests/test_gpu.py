@@ -223,6 +223,15 @@ def test_fused_kernels_match_references():
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
     g = torch.randn(t, 2 * inter, **bf)
     torch.testing.assert_close(fused.silu_and_mul(g), fused.silu_and_mul_ref(g), atol=2e-2, rtol=2e-2)
+    # folded norms: the same kernels applying the raw stream's 1/rms per row (PendingNorm)
+    stream = torch.randn(t, h, **bf) * 4
+    pending = fused.PendingNorm(stream, 1e-6)
+    ref = fused.qk_norm_rope_ref(qkv.clone(), qw, kw, cos, sin, pos, heads, kv, d, 1e-6, pending)
+    got = fused.qk_norm_rope(qkv.clone(), qw, kw, cos, sin, pos, heads, kv, d, 1e-6, pending)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(fused.silu_and_mul(g, pending), fused.silu_and_mul_ref(g, pending), atol=2e-2,
+                               rtol=2e-2)
 
 
 # --- Triton matmul tiles against cuBLAS -------------------------------------------------------
@@ -245,6 +254,12 @@ def test_triton_linear_matches_cublas(m):
         out = r.clone()
         linear.triton_linear(x, w, tile, out=out)
         torch.testing.assert_close(out, (r.float() + F.linear(x, w).float()).bfloat16(), atol=3e-2, rtol=2e-2)
+        # a folded norm (x the raw stream): pointer tiles sum x's squares in their K loop, TMA tiles
+        # take the normalised x (linear.gated_linear)
+        stream = x * 4
+        torch.testing.assert_close(linear.gated_linear(stream, w, tile, fused.PendingNorm(stream, 1e-6)),
+                                   fused.silu_and_mul_ref(F.linear(fused.rms_norm_ref(stream, None, 1e-6), w)),
+                                   atol=2e-2, rtol=2e-2)
     r = torch.randn(m, 2048, **bf)  # cuBLAS's beta = 1 path, as the model calls it
     out = r.clone()
     assert linear.linear(x, w, out) is out

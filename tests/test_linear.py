@@ -124,6 +124,29 @@ for m in (1, 45, 100):
 from pergola.layers.fused import launch_rms_norm, rms_norm_ref
 x, w = torch.randn(7, 96), torch.rand(96) + 0.5
 torch.testing.assert_close(launch_rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(launch_rms_norm(x, None, 1e-6), rms_norm_ref(x, None, 1e-6), atol=1e-5, rtol=1e-5)
+# folded norms: the kernels after a matmul on the raw stream apply its 1/rms per row (PendingNorm)
+from pergola.layers.fused import (PendingNorm, launch_qk_norm_rope, launch_silu_and_mul, qk_norm_rope_ref,
+                                  rms_norm_ref)
+for m in (1, 45):
+    x = torch.randn(m, 256) * 7; w = torch.randn(192, 256) * 0.06
+    pending = PendingNorm(x, 1e-6)
+    want = silu_and_mul_ref(F.linear(rms_norm_ref(x, None, 1e-6), w))
+    torch.testing.assert_close(silu_and_mul_ref(F.linear(x, w), pending), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(launch_silu_and_mul(F.linear(x, w), pending), want, atol=1e-4, rtol=1e-4)
+    for tile in (Tile(16, 32, 64), Tile(32, 32, 128)):  # the gated pointer kernel's sum of squares over K
+        torch.testing.assert_close(triton_linear(x, w, tile, gated=True, norm_eps=1e-6), want, atol=1e-4, rtol=1e-4)
+    heads, kv, d = 4, 2, 32
+    wqkv = torch.randn((heads + 2 * kv) * d, 256) * 0.06
+    qw, kw = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    angles = torch.arange(64)[:, None] * (1e-4 ** (torch.arange(0, d, 2) / d))
+    cos, sin, pos = angles.cos(), angles.sin(), torch.randint(0, 64, (m,))
+    ref = qk_norm_rope_ref(F.linear(rms_norm_ref(x, None, 1e-6), wqkv), qw, kw, cos, sin, pos, heads, kv, d, 1e-6)
+    got = launch_qk_norm_rope(F.linear(x, wqkv), qw, kw, cos, sin, pos, heads, kv, d, 1e-6, pending)
+    twin = qk_norm_rope_ref(F.linear(x, wqkv), qw, kw, cos, sin, pos, heads, kv, d, 1e-6, pending)
+    for a, b, c in zip(got, ref, twin):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-4)
 print("ok")
 """
 

@@ -130,3 +130,35 @@ def test_loads_causal_lm_checkpoints(folders, engines, tmp_path):
     save_file(weights, str(tmp_path / "model.safetensors"))
     other = Engine(EngineConfig(model_dir=str(tmp_path), dtype="float32"))
     np.testing.assert_array_equal(embed(other, TEXTS[:4]), embed(engines["causal-last"], TEXTS[:4]))
+
+
+def test_folded_norms_equal_the_norms(folders, tmp_path):
+    """Norm gains folded into the q/k/v and gate/up weights (the default) give the unfolded
+    model's answer, with gains that are not 1 (HF's init, the seeded folders') so a gain folded
+    into the wrong rows or columns, or applied twice, shows."""
+    from safetensors.torch import load_file, save_file
+
+    src = folders["causal-last"]
+    dst = tmp_path / "gains"
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name != "model.safetensors":
+            (dst / item.name).symlink_to(item)
+    weights = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for name, w in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = w + 0.5 * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+    save_file(weights, str(dst / "model.safetensors"))
+
+    folded = Engine(EngineConfig(model_dir=str(dst), dtype="float32"))
+    plain = Engine(EngineConfig(model_dir=str(dst), dtype="float32", fold_norms=False))
+    assert all(layer.folded for layer in folded.runner.model.layers)
+    assert not any(layer.folded for layer in plain.runner.model.layers)
+    a, b = embed(folded, TEXTS), embed(plain, TEXTS)
+    assert np.abs(a - b).max() <= 1e-5
+    assert cosine_rows(a, embed(engines_of(src), TEXTS)).min() < 0.999  # the gains matter
+
+
+def engines_of(folder: Path) -> Engine:
+    return Engine(EngineConfig(model_dir=str(folder), dtype="float32"))

@@ -77,6 +77,10 @@ class EngineConfig:
                                        "compute capability 8.9+, dtype bfloat16); norms, attention, pooling, "
                                        "embeddings and heads stay in BF16 (README: FP8)",
                                 choices=QUANTIZATIONS)
+    fold_norms: bool = option(True, "Qwen3: fold each layer's two RMSNorm gains into the q/k/v and gate/up "
+                                    "weights; the kernels after those matmuls apply 1/rms, so a layer runs two "
+                                    "kernels fewer (batch-1 forward 1.51 -> 1.44 ms, H100; perf/RESULTS.md); "
+                                    "not with FP8")
     cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
                                  "own threads keep a core (on 2 cores, two threads stalled 4-10% of batch-1 "
                                  "requests ~0.5 s)")

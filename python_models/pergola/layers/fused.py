@@ -9,9 +9,17 @@ gate_up matmul, SiLU*mul (inside gate_up where measured faster), down matmul (+ 
 residual adds live in the matmuls' epilogues (pergola.layers.linear), not here.
 
 Numerics follow Hugging Face: statistics in fp32, results rounded to the model dtype.
+
+Folded norms (`PendingNorm`): a Qwen3 layer may skip its two RMSNorm kernels. RMSNorm(x) @ W^T =
+diag(1/rms(x)) (x @ (W diag(g))^T): the gain g is folded into W once at load, the matmul reads the
+raw residual stream x, and the kernel after the matmul (q/k-norm + RoPE, SiLU * mul, or the Triton
+gated matmul's epilogue) multiplies each row by 1/rms(x), which it computes from x itself. 56 of a
+batch-1 forward's 288 kernels go (pergola.models.qwen3.Qwen3Model.fold_norms).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +37,37 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """A product computed from the raw residual stream `x` [T, hidden] with an RMSNorm's gain
+    folded into the weight: each of its rows still needs x's 1 / rms (with the norm's eps)."""
+
+    x: torch.Tensor
+    eps: float
+
+    def inv_rms(self) -> torch.Tensor:  # [T, 1] fp32
+        x32 = self.x.float()
+        return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def apply_ref(self, y: torch.Tensor) -> torch.Tensor:
+        """y [T, N] * 1/rms(x) per row, rounded to y's dtype (the PyTorch twin of the kernels)."""
+        return (y.float() * self.inv_rms()).to(y.dtype)
+
+
 # --- reference implementations (CPU, and the tests' ground truth) ------------------------------
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     x32 = x.float()
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * y
+    return y if weight is None else weight * y
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     head_dim: int, eps: float, pending: PendingNorm | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = qkv.shape[0]
+    if pending is not None:
+        qkv = pending.apply_ref(qkv)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     c, s = cos[positions].unsqueeze(1).to(qkv.dtype), sin[positions].unsqueeze(1).to(qkv.dtype)
 
@@ -52,7 +80,9 @@ def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.
     return q, k, v.reshape(t, num_kv_heads, head_dim)
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
+    if pending is not None:
+        x = pending.apply_ref(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -60,28 +90,38 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        # One program per row [n_cols]: statistics in fp32, normalised value rounded, then * weight.
+    def _inv_rms(row_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        # 1 / rms of one row [n_cols] (fp32 statistics), as RMSNorm computes it.
+        cols = tl.arange(0, BLOCK)
+        xf = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        return tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row [n_cols]: statistics in fp32, normalised value rounded, then * weight
+        # (none: the gain was folded into the next matmul's weight).
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         xf = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
         y = (xf * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            y = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * y
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_heads(base, w_ptr, c, s, eps, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def _norm_rope_heads(base, w_ptr, c, s, eps, pre, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr):
         # RMSNorm over each of NUM heads [NUM, D] at `base`, then RoPE (half-split), in place.
+        # pre: the row's pending 1/rms (folded input norm), rounded to the dtype as a product would be; else 1.
         half: tl.constexpr = HEAD_DIM // 2
         heads = tl.arange(0, HP)
         cols = tl.arange(0, half)
         offs = heads[:, None] * HEAD_DIM + cols[None, :]
         m = (heads < NUM)[:, None]
         dt = base.dtype.element_ty
-        x1 = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(base + half + offs, mask=m, other=0.0).to(tl.float32)
+        x1 = (tl.load(base + offs, mask=m, other=0.0).to(tl.float32) * pre).to(dt).to(tl.float32)
+        x2 = (tl.load(base + half + offs, mask=m, other=0.0).to(tl.float32) * pre).to(dt).to(tl.float32)
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
         w1 = tl.load(w_ptr + cols).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + cols).to(tl.float32)[None, :]
@@ -92,11 +132,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, row_stride, eps,
+                             x_ptr, x_cols, x_eps, PENDING: tl.constexpr, X_BLOCK: tl.constexpr,
                              NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HP_Q: tl.constexpr, HP_K: tl.constexpr,
                              HEAD_DIM: tl.constexpr):
         # One program per token covers all its q and k heads (a [heads, D] tile each): at 16k
         # tokens a program per (token, head) meant 400k programs of 128 elements, 8x slower.
+        # PENDING: qkv came from the raw residual x [T, x_cols] with the input norm's gain folded
+        # into the weight: q, k and v rows are first multiplied by x's 1/rms (v in place here).
         token = tl.program_id(0).to(tl.int64)
+        pre = 1.0
+        if PENDING:
+            pre = _inv_rms(x_ptr + token * x_cols, x_cols, x_eps, X_BLOCK)
         half: tl.constexpr = HEAD_DIM // 2
         cols = tl.arange(0, half)
         pos = tl.load(pos_ptr + token)
@@ -104,48 +150,90 @@ if HAVE_TRITON:
         c = tl.load(cos_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
         row = qkv_ptr + token * row_stride
-        _norm_rope_heads(row, qw_ptr, c, s, eps, NUM_Q, HP_Q, HEAD_DIM)
-        _norm_rope_heads(row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, NUM_K, HP_K, HEAD_DIM)
+        _norm_rope_heads(row, qw_ptr, c, s, eps, pre, NUM_Q, HP_Q, HEAD_DIM)
+        _norm_rope_heads(row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, pre, NUM_K, HP_K, HEAD_DIM)
+        if PENDING:  # v [NUM_K, D], scaled in place
+            heads = tl.arange(0, HP_K)
+            dims = tl.arange(0, HEAD_DIM)
+            v_ptrs = row + (NUM_Q + NUM_K) * HEAD_DIM + heads[:, None] * HEAD_DIM + dims[None, :]
+            vm = (heads < NUM_K)[:, None]
+            v = tl.load(v_ptrs, mask=vm, other=0.0).to(tl.float32)
+            tl.store(v_ptrs, (v * pre).to(dt), mask=vm)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, r_ptr, r_cols, r_eps, PENDING: tl.constexpr,
+                             R_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+        # PENDING: gate | up came from the raw residual r [T, r_cols] (post-attention norm's gain
+        # folded into the weight): both are first multiplied by r's 1/rms and rounded.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
         gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if PENDING:
+            inv = _inv_rms(r_ptr + row * r_cols, r_cols, r_eps, R_BLOCK)
+            gate = (gate * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = (up * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of x [T, H] (one kernel on CUDA)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [T, H] (one kernel on CUDA); weight None: no gain
+    (folded into the next matmul)."""
     return launch_rms_norm(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
 
 
-def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The Triton kernel itself; also what the CPU tests run through Triton's interpreter."""
     x = x.contiguous()
     t, h = x.shape
     out = torch.empty_like(x)
-    _rms_norm_kernel[(t,)](x, weight, out, h, eps, BLOCK=triton.next_power_of_2(h))
+    _rms_norm_kernel[(t,)](x, x if weight is None else weight, out, h, eps, HAS_WEIGHT=weight is not None,
+                           BLOCK=triton.next_power_of_2(h))
     return out
+
+
+def pending_args(pending: PendingNorm | None, like: torch.Tensor) -> tuple[torch.Tensor, int, float, bool, int]:
+    """(x, columns, eps, PENDING, block) for a kernel that applies a folded norm's 1/rms per row;
+    placeholders (never read) without one."""
+    if pending is None:
+        return like, 1, 0.0, False, 1
+    x = pending.x
+    if not x.is_contiguous() or x.shape[0] != like.shape[0]:
+        raise ValueError(f"a pending norm needs a contiguous [{like.shape[0]}, hidden] input, got "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    return x, x.shape[1], pending.eps, True, triton.next_power_of_2(x.shape[1])
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 head_dim: int, eps: float, pending: PendingNorm | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm then RoPE on q and k, in place in qkv [T, (Hq + 2 Hkv) * D].
 
     Returns views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] with the token stride of qkv:
     the attention kernels only need a contiguous last dimension, so nothing is copied.
+    pending: qkv is the product of the raw residual stream with the input norm's gain folded
+    into the weight; q, k and v get that norm's 1/rms per token first (v in place).
     """
     if not use_triton(qkv):
         return qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads,
-                                head_dim, eps)
+                                head_dim, eps, pending)
+    return launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, head_dim,
+                               eps, pending)
+
+
+def launch_qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        head_dim: int, eps: float, pending: PendingNorm | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel of `qk_norm_rope` (also run by the CPU tests through Triton's interpreter)."""
     t = qkv.shape[0]
+    x, x_cols, x_eps, has_pending, x_block = pending_args(pending, qkv)
     _qk_norm_rope_kernel[(t,)](
-        qkv, q_weight, k_weight, cos, sin, positions, qkv.stride(0), eps, NUM_Q=num_heads, NUM_K=num_kv_heads,
+        qkv, q_weight, k_weight, cos, sin, positions, qkv.stride(0), eps, x, x_cols, x_eps, PENDING=has_pending,
+        X_BLOCK=x_block, NUM_Q=num_heads, NUM_K=num_kv_heads,
         HP_Q=triton.next_power_of_2(num_heads), HP_K=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim)
     return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
@@ -159,13 +247,19 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
             qkv[:, k_end:].view(t, num_kv_heads, head_dim))
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    if not use_triton(x):
-        return silu_and_mul_ref(x)
+def silu_and_mul(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]; pending: gate | up still need the folded
+    post-attention norm's 1/rms per row."""
+    return launch_silu_and_mul(x, pending) if use_triton(x) else silu_and_mul_ref(x, pending)
+
+
+def launch_silu_and_mul(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
+    """The Triton kernel of `silu_and_mul` (also run by the CPU tests through Triton's interpreter)."""
     x = x.contiguous()
     t, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    r, r_cols, r_eps, has_pending, r_block = pending_args(pending, x)
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, r, r_cols, r_eps, PENDING=has_pending,
+                                                     R_BLOCK=r_block, BLOCK=block)
     return out

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergola.layers.fp8 import Fp8Rows, fp8_linear, quantize_weight, silu_mul_quantize
-from pergola.layers.fused import HAVE_TRITON, silu_and_mul, use_triton
+from pergola.layers.fused import HAVE_TRITON, PendingNorm, rms_norm, silu_and_mul, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -131,12 +131,15 @@ def pick_tile(rows: TileRows, m: int) -> Tile | None:
 if HAVE_TRITON:
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET,
-                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr):
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET, norm_eps,
+                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_NORM: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
         # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % BK == 0.
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
         # ACCUMULATE: y += x @ W^T (the residual add, in fp32, rounded once).
+        # ROW_NORM: x is the raw residual stream and W holds an RMSNorm's gain (PendingNorm): the
+        # sum of squares of each x row builds up from the tiles the K loop loads anyway, and the
+        # products are scaled by 1/rms before the epilogue (the norm costs no kernel of its own).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -147,13 +150,21 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BK, BN], a view of W^T
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        sum_sq = tl.zeros((BM,), dtype=tl.float32)
         for _ in range(0, K, BK):
             a = tl.load(x_ptrs, mask=m_ok, other=0.0)
             acc = tl.dot(a, tl.load(w_ptrs), acc)
             if GATED:
                 acc_up = tl.dot(a, tl.load(w_ptrs + GATE_OFFSET * stride_wn), acc_up)
+            if ROW_NORM:
+                af = a.to(tl.float32)
+                sum_sq += tl.sum(af * af, axis=1)
             x_ptrs += BK
             w_ptrs += BK
+        if ROW_NORM:
+            inv = tl.rsqrt(sum_sq / K + norm_eps)[:, None]
+            acc = acc * inv
+            acc_up = acc_up * inv
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         if ACCUMULATE:
             acc += tl.load(y_ptrs, mask=m_ok, other=0.0).to(tl.float32)
@@ -207,10 +218,12 @@ if HAVE_TRITON:
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool = False,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N_w, K]^T with a given tile; gated: weight is gate | up, y is [M, N_w / 2].
 
     out: a contiguous [M, N] tensor the product is added to in place (plain matmuls only).
+    norm_eps: x is the raw residual stream and the weight holds an RMSNorm's gain; each product
+    row is scaled by x's 1/rms (that norm's eps) before the epilogue (pointer tiles only).
     """
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -218,13 +231,16 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
         raise ValueError(f"tile {tile} does not fit a [{m}, {k}] x [{n}, {k}] matmul")
     if out is not None and (gated or out.shape != (m, n) or not out.is_contiguous()):
         raise ValueError(f"out= needs a plain matmul and a contiguous [{m}, {n}] tensor, got {tuple(out.shape)}")
+    if norm_eps is not None and tile.tma:
+        raise ValueError(f"tile {tile}: the persistent TMA kernel does not apply a pending norm")
     accumulate = out is not None
     y = out if accumulate else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile.tma:
         return _launch_tma(x, weight, y, tile, gated, accumulate)
     grid = (n // tile.bn, triton.cdiv(m, tile.bm))
-    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n, GATED=gated,
-                         ACCUMULATE=accumulate, BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps,
+    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n,
+                         0.0 if norm_eps is None else norm_eps, GATED=gated, ACCUMULATE=accumulate,
+                         ROW_NORM=norm_eps is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps,
                          num_stages=tile.stages)
     return y
 
@@ -270,9 +286,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     return triton_linear(x, weight, tile, out=residual)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
-    """silu(x @ W_gate^T) * (x @ W_up^T) for weight = gate | up [2I, K]: [M, K] -> [M, I]."""
-    return silu_and_mul(F.linear(x, weight)) if tile is None else triton_linear(x, weight, tile, gated=True)
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None,
+                 pending: PendingNorm | None = None) -> torch.Tensor:
+    """silu(x @ W_gate^T) * (x @ W_up^T) for weight = gate | up [2I, K]: [M, K] -> [M, I].
+
+    pending: x is the raw residual stream (pending.x) and W holds the norm's gain; the 1/rms per
+    row is applied by the SiLU kernel after cuBLAS or inside a pointer tile's epilogue. The
+    persistent TMA tiles (large M) take the normalised x from an RMSNorm without gain instead.
+    """
+    if tile is None:
+        return silu_and_mul(F.linear(x, weight), pending)
+    if pending is None:
+        return triton_linear(x, weight, tile, gated=True)
+    if tile.tma:
+        return triton_linear(rms_norm(x, None, pending.eps), weight, tile, gated=True)
+    return triton_linear(x, weight, tile, gated=True, norm_eps=pending.eps)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -377,12 +405,15 @@ class GateUpLinear(MergedLinear):
     def output_columns(self) -> int:
         return self.weight.shape[0] // 2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
+    def forward(self, x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor | Fp8Rows:
         """In FP8, silu(gate) * up comes out quantized for the down projection (Fp8Rows): SiLU,
-        the product and the quantization are one kernel and [M, I] never goes to memory in BF16."""
+        the product and the quantization are one kernel and [M, I] never goes to memory in BF16.
+        pending: x is the raw residual stream and the weight holds the norm's gain (`gated_linear`)."""
         if self.weight_scale is not None:
+            if pending is not None:
+                raise ValueError("an FP8 gate_up projection does not take a folded norm")
             return silu_mul_quantize(fp8_linear(x, self.weight, self.weight_scale))
-        return gated_linear(x, self.weight, self.tile(x))
+        return gated_linear(x, self.weight, self.tile(x), pending)
 
 
 def select_tiles(model: nn.Module, table: TileTable) -> None:

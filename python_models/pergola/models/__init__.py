@@ -51,6 +51,11 @@ class Model(nn.Module):
     def post_load(self) -> None:
         """Fill what is computed rather than read (RoPE tables), once the weights are in."""
 
+    def fold_norms(self) -> bool:
+        """Fold norm gains into the projections after them, where the architecture can (Qwen3);
+        -> whether it did. Called after loading, never for FP8 weights."""
+        return False
+
 
 def model_class(architecture: str) -> type[Model]:
     module, name = ARCHITECTURES[architecture]
@@ -117,12 +122,14 @@ def _materialize(model: Model, device: torch.device, dtype: torch.dtype) -> Mode
 
 
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles: TileTable,
-                quantization: str = "none") -> Model:
+                quantization: str = "none", fold_norms: bool = False) -> Model:
     """Instantiate the architecture without initialising it, load the folder's weights, and give
     each projection its rows of `tiles` (layers.linear.tiles_for this device).
 
     quantization "fp8": the transformer layers' projections become FP8 once loaded
     (layers.fp8.quantize_layers; refused where FP8 cannot run, before any weight is read).
+    fold_norms: norm gains go into the projections after them where the architecture can
+    (`Model.fold_norms`; not with FP8, whose fidelity was measured with the norms in place).
     """
     if quantization == "fp8":
         check_supported(device, dtype)
@@ -136,6 +143,8 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     model = _materialize(model, device, dtype)
     load_weights(model, spec.path)
     model.post_load()
+    if fold_norms and quantization == "none" and model.fold_norms():
+        log.info("norm gains folded into the projections after them (fewer kernels per layer)")
     if quantization == "fp8":  # before the Dense stack is attached: heads stay in the model dtype
         skipped = quantize_layers(model, spec.hf_config["num_hidden_layers"])
         if skipped:
