@@ -266,6 +266,12 @@ def test_client_embed_outputs_over_http(served, folders):
         assert got.shape == want.shape and cosine_rows(got, want).min() >= 0.999
 
 
+# Lexical weights are ReLU(w . h + b) of the unnormalised hidden state (values up to ~2): on a GPU
+# a BF16 step of h moves one by more than SAME allows (0.1206 vs 0.1260 on the H100,
+# perf/results/2026-12-05-5fe1a8e/pytest_recheck.log), so they get the reference bound instead.
+SPARSE_SAME = SAME if TEST_DEVICE == "cpu" else {"atol": VALUE_ATOL, "rtol": 0.0}
+
+
 def test_served_batch_equals_single_texts(served):
     batch = infer(served, XLMR_TEXTS, ["sparse", "colbert", "dense"])
     for i, text in enumerate(XLMR_TEXTS):
@@ -273,7 +279,7 @@ def test_served_batch_equals_single_texts(served):
         assert one["EMBEDDING"].shape == (1, 0)  # dense not asked for
         s, t = batch["SPARSE_OFFSETS"], batch["TOKEN_OFFSETS"]
         np.testing.assert_array_equal(one["SPARSE_INDICES"], batch["SPARSE_INDICES"][s[i]:s[i + 1]])
-        np.testing.assert_allclose(one["SPARSE_VALUES"], batch["SPARSE_VALUES"][s[i]:s[i + 1]], **SAME)
+        np.testing.assert_allclose(one["SPARSE_VALUES"], batch["SPARSE_VALUES"][s[i]:s[i + 1]], **SPARSE_SAME)
         np.testing.assert_allclose(one["TOKEN_EMBEDDINGS"], batch["TOKEN_EMBEDDINGS"][t[i]:t[i + 1]], **SAME)
 
 
