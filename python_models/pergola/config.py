@@ -79,7 +79,7 @@ class EngineConfig:
                                 choices=QUANTIZATIONS)
     fold_norms: bool = option(True, "Qwen3: fold each layer's two RMSNorm gains into the q/k/v and gate/up "
                                     "weights; the kernels after those matmuls apply 1/rms, so a layer runs two "
-                                    "kernels fewer (batch-1 forward 1.51 -> 1.44 ms, H100; perf/RESULTS.md); "
+                                    "kernels fewer, 56 in a forward of Qwen3-0.6B (perf/RESULTS.md); "
                                     "not with FP8")
     cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
                                  "own threads keep a core (on 2 cores, two threads stalled 4-10% of batch-1 "
