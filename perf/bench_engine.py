@@ -133,13 +133,15 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
         inputs = [[s] for s in windows.ids(length, 20, seed=length)]
         check = cosine_min(pergola_embed(engine, inputs[0]), hf(inputs[0]))
         lat = res["latency"][length] = {
-            "pergola_graph": time_latency(lambda x: pergola_embed(engine, x), inputs, n),
             "pergola_eager": time_latency(lambda x: pergola_embed(eager, x), inputs, n),
             "hf": time_latency(hf, inputs, max(n // 4, 10)),
             "min_cosine_vs_hf": check,
         }
+        # The engine and its variants take turns, one request each, so that drift spreads evenly.
+        engines = {"pergola_graph": engine, **variants}
+        lat.update(common.time_latency_interleaved(
+            {label: (lambda x, e=e: pergola_embed(e, x)) for label, e in engines.items()}, inputs, n))
         for label, var in variants.items():
-            lat[label] = time_latency(lambda x: pergola_embed(var, x), inputs, n)
             lat[label]["min_cosine_vs_hf"] = cosine_min(pergola_embed(var, inputs[0]), hf(inputs[0]))
         extra = "".join(f", {label} {lat[label]['p50']:.2f} ms" for label in variants)
         print(f"{name} batch-1 {length:5d} tok: graph p50 {lat['pergola_graph']['p50']:.2f} ms, eager "

@@ -161,6 +161,22 @@ def time_latency(call, inputs: list, n: int, warmup: int = 3) -> dict:
     return percentiles(ms)
 
 
+def time_latency_interleaved(calls: dict, inputs: list, n: int, warmup: int = 3) -> dict[str, dict]:
+    """time_latency for several callables, one sample of each in turn: a drift during the run (GPU
+    clocks, host load) then moves every column alike instead of favouring the first one measured
+    (perf/RESULTS.md History 2026-12-05 e2aaa64: one configuration measured 1.27 and 1.44 ms apart)."""
+    for call in calls.values():
+        for i in range(warmup):
+            call(inputs[i % len(inputs)])
+    ms: dict[str, list[float]] = {label: [] for label in calls}
+    for i in range(n):
+        for label, call in calls.items():
+            t0 = time.perf_counter()
+            call(inputs[i % len(inputs)])
+            ms[label].append((time.perf_counter() - t0) * 1e3)
+    return {label: percentiles(v) for label, v in ms.items()}
+
+
 def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
     for _ in range(warmup):
         call(batch)
