@@ -147,6 +147,13 @@ for step in "$@"; do
       # shellcheck disable=SC1091
       (source /tmp/vllm-site/env.sh && run vllm_minilm python3 perf/bench_vllm.py --models minilm \
         --suites inproc server --out "$OUT/vllm_minilm.json") ;;
+    fold_ab)  # the folded norms against the norms: batch-1 latency with the two engines taking turns, and
+      # each one's kernels and GPU busy time for one 128-token forward (~3 minutes)
+      run engine_fold python3 perf/bench_engine.py --models qwen3-0.6b --latency-n 200 \
+        --variant nofold:fold_norms=False --backends flashinfer_fa3 --out "$OUT/engine_fold.json"
+      run profile_fold python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid
+      run profile_nofold python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid \
+        --option fold_norms=False ;;
     recheck)  # the tests the whole suite failed on the GPU at 05e666b, after their changes (~5 minutes)
       PERGOLA_TEST_DEVICE=gpu run pytest_recheck python3 -m pytest -q -ra \
         tests/test_bge_m3.py tests/test_hub.py tests/test_overload.py tests/test_properties.py tests/test_fuzz.py \

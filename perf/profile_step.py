@@ -2,6 +2,7 @@
 
     python perf/profile_step.py --model qwen3-0.6b --seqs 32 --length 512
     python perf/profile_step.py --seqs 1 --length 128 --grid   # + each kernel's grid: CTAs vs the SMs
+    python perf/profile_step.py --seqs 1 --length 128 --grid --option fold_norms=False   # another setting
 """
 
 import argparse
@@ -12,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_folder, pergola_embed, profile_step, sync  # noqa: E402
+from common import model_folder, parse_variants, pergola_embed, profile_step, sync  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
 from pergola.config import EngineConfig  # noqa: E402
@@ -26,6 +27,8 @@ p.add_argument("--length", type=int, default=512)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--workdir", default=None)
 p.add_argument("--matmul", default="auto", help="EngineConfig.matmul: auto, cublas or a tile-table file")
+p.add_argument("--option", action="append", default=[], metavar="FIELD=VALUE",
+               help="an EngineConfig field for this run (repeatable), e.g. fold_norms=False")
 p.add_argument("--grid", action="store_true",
                help="also list every kernel of one call with its grid (CTAs) against the GPU's SM count")
 args = p.parse_args()
@@ -61,9 +64,11 @@ def kernel_grids(engine: Engine, seqs) -> str:
     return "\n".join(lines)
 
 folder = model_folder(args.model, Path(args.workdir or tempfile.mkdtemp()))
-engine = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=args.matmul))
+overrides = parse_variants([f"options:{','.join(args.option)}"])["options"] if args.option else {}
+engine = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=args.matmul, **overrides))
 seqs = TokenWindows(load_model_spec(folder).tokenizer_file).ids(args.length, args.seqs, seed=1)
-print(f"{args.model}: {args.seqs} x {args.length} tokens, {args.steps} calls, matmul={args.matmul}")
+print(f"{args.model}: {args.seqs} x {args.length} tokens, {args.steps} calls, matmul={args.matmul}, "
+      f"options {overrides}")
 print(profile_step(engine, seqs, steps=args.steps))
 if args.grid:
     print(kernel_grids(engine, seqs))
