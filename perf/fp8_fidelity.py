@@ -1,6 +1,7 @@
 """FP8 fidelity against BF16 (`--quantization fp8`): per-text cosine and a retrieval check.
 
     python perf/fp8_fidelity.py --models minilm qwen3-0.6b --out perf/out/fp8_fidelity.json
+    python perf/fp8_fidelity.py --fp8-bf16-layers 0 1 2     # FP8 engines with 0, 1, 2 BF16 layers at each end
 
 For each model, the same engine is built twice on the GPU, BF16 and FP8, and both embed one set
 of texts: a corpus of passages cut from the documentation Python ships (`pydoc_data.topics`,
@@ -79,29 +80,39 @@ def unit(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def compare(name: str, folder: Path, device: str, passages: list[str], queries: list[str], k: int) -> dict:
-    embeddings = {}
-    for quantization in ("none", "fp8"):
-        t0 = time.perf_counter()
-        engine = Engine(EngineConfig(model_dir=str(folder), device=device, dtype="bfloat16",
-                                     quantization=quantization))
-        embeddings[quantization] = (unit(embed(engine, queries)), unit(embed(engine, passages)))
-        print(f"{name} {quantization}: {len(queries)} queries + {len(passages)} passages in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
-        del engine
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    (qb, pb), (qf, pf) = embeddings["none"], embeddings["fp8"]
-    cos = np.concatenate([(qb * qf).sum(1), (pb * pf).sum(1)])
+def build_and_embed(label: str, folder: Path, device: str, passages: list[str], queries: list[str],
+                    **options) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, passages) unit embeddings of one engine, freed afterwards."""
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model_dir=str(folder), device=device, dtype="bfloat16", **options))
+    out = unit(embed(engine, queries)), unit(embed(engine, passages))
+    print(f"{label}: {len(queries)} queries + {len(passages)} passages in {time.perf_counter() - t0:.1f} s", flush=True)
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def compare(name: str, folder: Path, device: str, passages: list[str], queries: list[str], k: int,
+            bf16_layers: list[int]) -> list[dict]:
+    """One row per fp8_bf16_layers value, each FP8 engine against the one BF16 reference."""
+    qb, pb = build_and_embed(f"{name} bf16", folder, device, passages, queries)
     top_b = np.argsort(-(qb @ pb.T), axis=1)[:, :k]
-    top_f = np.argsort(-(qf @ pf.T), axis=1)[:, :k]
-    overlap = np.array([len(set(a) & set(b)) / k for a, b in zip(top_b, top_f)])
-    return {"model": name, "folder": str(folder), "texts": int(cos.size), "queries": len(queries),
-            "passages": len(passages), "k": k,
-            "cosine_fp8_vs_bf16": {"min": float(cos.min()), "p1": float(np.percentile(cos, 1)),
-                                   "mean": float(cos.mean()), "argmin_text": (queries + passages)[int(cos.argmin())][:120]},
-            "topk_overlap": {"mean": float(overlap.mean()), "min": float(overlap.min())},
-            "top1_same": float((top_b[:, 0] == top_f[:, 0]).mean())}
+    rows = []
+    for keep in bf16_layers:
+        qf, pf = build_and_embed(f"{name} fp8 (first/last {keep} in BF16)", folder, device, passages, queries,
+                                 quantization="fp8", fp8_bf16_layers=keep)
+        cos = np.concatenate([(qb * qf).sum(1), (pb * pf).sum(1)])
+        top_f = np.argsort(-(qf @ pf.T), axis=1)[:, :k]
+        overlap = np.array([len(set(a) & set(b)) / k for a, b in zip(top_b, top_f)])
+        rows.append({"model": name, "fp8_bf16_layers": keep, "folder": str(folder), "texts": int(cos.size),
+                     "queries": len(queries), "passages": len(passages), "k": k,
+                     "cosine_fp8_vs_bf16": {"min": float(cos.min()), "p1": float(np.percentile(cos, 1)),
+                                            "mean": float(cos.mean()),
+                                            "argmin_text": (queries + passages)[int(cos.argmin())][:120]},
+                     "topk_overlap": {"mean": float(overlap.mean()), "min": float(overlap.min())},
+                     "top1_same": float((top_b[:, 0] == top_f[:, 0]).mean())})
+    return rows
 
 
 def main() -> None:
@@ -111,6 +122,8 @@ def main() -> None:
     p.add_argument("--passages", type=int, default=500, help="corpus size (passages of pydoc_data.topics)")
     p.add_argument("-k", type=int, default=10, help="top-k of the retrieval check")
     p.add_argument("--device", default="cuda", help="cuda; cpu: a dry run with the reference FP8 matmul")
+    p.add_argument("--fp8-bf16-layers", nargs="+", type=int, default=[1], metavar="N",
+                   help="FP8 engines with the first and last N layers in BF16, one row each (EngineConfig)")
     p.add_argument("--workdir", default=None, help="where the seeded Qwen3 folder goes")
     p.add_argument("--out", default="perf/out/fp8_fidelity.json")
     args = p.parse_args()
@@ -121,14 +134,17 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-fp8-"))
     passages, queries = corpus(args.passages)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (FP8 emulated, dry run)"
-    rows = [compare(m, model_folder(m, workdir), args.device, passages, queries, args.k) for m in args.models]
+    rows = [row for m in args.models
+            for row in compare(m, model_folder(m, workdir), args.device, passages, queries, args.k,
+                               args.fp8_bf16_layers)]
     print(f"\nFP8 vs BF16 on {gpu}: {len(queries)} queries, {len(passages)} passages (pydoc_data.topics)")
-    print(f"| model | cosine min | cosine p1 | cosine mean | top-{args.k} overlap mean | min | top-1 same |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| model | BF16 layers at each end | cosine min | cosine p1 | cosine mean | top-{args.k} overlap mean | min "
+          "| top-1 same |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         c, o = r["cosine_fp8_vs_bf16"], r["topk_overlap"]
-        print(f"| {r['model']} | {c['min']:.4f} | {c['p1']:.4f} | {c['mean']:.4f} | {o['mean']:.3f} | {o['min']:.1f} | "
-              f"{r['top1_same']:.3f} |")
+        print(f"| {r['model']} | {r['fp8_bf16_layers']} | {c['min']:.4f} | {c['p1']:.4f} | {c['mean']:.4f} | "
+              f"{o['mean']:.3f} | {o['min']:.1f} | {r['top1_same']:.3f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu,

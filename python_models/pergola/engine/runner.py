@@ -153,7 +153,7 @@ class ModelRunner:
             t0 = time.perf_counter()
         self.matmul_tiles = tiles_for(cfg.matmul, device)  # Triton matmul tiles by M, measured per GPU
         self.model = build_model(spec, device, self.dtype, self.matmul_tiles,  # each projection keeps its rows
-                                 cfg.quantization, cfg.fold_norms)
+                                 cfg.quantization, cfg.fold_norms, cfg.fp8_bf16_layers)
         # bge-m3's sparse / ColBERT heads: every step's hidden states go through them (TokenHeads).
         self.token_heads = TokenHeads(spec, device, self.dtype) if spec.token_heads else None
         self.token_width = self.token_heads.width if self.token_heads is not None else 0

@@ -122,12 +122,13 @@ def _materialize(model: Model, device: torch.device, dtype: torch.dtype) -> Mode
 
 
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles: TileTable,
-                quantization: str = "none", fold_norms: bool = False) -> Model:
+                quantization: str = "none", fold_norms: bool = False, fp8_bf16_layers: int = 0) -> Model:
     """Instantiate the architecture without initialising it, load the folder's weights, and give
     each projection its rows of `tiles` (layers.linear.tiles_for this device).
 
-    quantization "fp8": the transformer layers' projections become FP8 once loaded
-    (layers.fp8.quantize_layers; refused where FP8 cannot run, before any weight is read).
+    quantization "fp8": the transformer layers' projections become FP8 once loaded, but for the
+    first and last `fp8_bf16_layers` layers (layers.fp8.quantize_layers; refused where FP8 cannot
+    run, before any weight is read).
     fold_norms: norm gains go into the projections after them where the architecture can
     (`Model.fold_norms`; not with FP8, whose fidelity was measured with the norms in place).
     """
@@ -146,7 +147,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
     if fold_norms and quantization == "none" and model.fold_norms():
         log.info("norm gains folded into the projections after them (fewer kernels per layer)")
     if quantization == "fp8":  # before the Dense stack is attached: heads stay in the model dtype
-        skipped = quantize_layers(model, spec.hf_config["num_hidden_layers"])
+        skipped = quantize_layers(model, spec.hf_config["num_hidden_layers"], fp8_bf16_layers)
         if skipped:
             log.warning("fp8: %d projections keep BF16 weights (K or N not a multiple of 16): %s", len(skipped),
                         ", ".join(skipped[:8]))
