@@ -21,6 +21,7 @@ from string import Template
 from pergola.config import EngineConfig, TritonModelOptions
 from pergola.heads import LABELS_PARAMETER, label_names
 from pergola.hf_folder import load_model_spec
+from pergola.token_outputs import TOKEN_OUTPUT_TYPES
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_DIR.parents[1]
@@ -55,18 +56,14 @@ def _parameters_block(params: dict[str, str]) -> str:
     return "\n".join(items)
 
 
-# bge-m3's ragged outputs (pergola.token_outputs) and their dims in the embed ensemble, which
-# declares and maps them only for a model with the heads.
-TOKEN_OUTPUTS = {"SPARSE_INDICES": ("INT64", "-1"), "SPARSE_VALUES": ("FP32", "-1"), "SPARSE_OFFSETS": ("INT64", "-1"),
-                 "TOKEN_EMBEDDINGS": ("FP32", "-1, -1"), "TOKEN_OFFSETS": ("INT64", "-1")}
-
-
 def token_output_blocks(heads: bool) -> dict[str, str]:
-    """The embed ensemble's `token_outputs` (output list) and `token_output_map` (encoder step)."""
+    """The embed ensemble's `token_outputs` (output list) and `token_output_map` (encoder step):
+    bge-m3's ragged outputs (pergola.token_outputs), declared and mapped only for a model with the heads."""
     if not heads:
         return {"token_outputs": "", "token_output_map": ""}
-    declared = "".join(f',\n  {{ name: "{n}" data_type: TYPE_{t} dims: [ {d} ] }}' for n, (t, d) in TOKEN_OUTPUTS.items())
-    mapped = "".join(f'\n      output_map {{ key: "{n}" value: "{n}" }}' for n in TOKEN_OUTPUTS)
+    declared = "".join(f',\n  {{ name: "{n}" data_type: TYPE_{t} dims: [ {d} ] }}'
+                       for n, (t, d) in TOKEN_OUTPUT_TYPES.items())
+    mapped = "".join(f'\n      output_map {{ key: "{n}" value: "{n}" }}' for n in TOKEN_OUTPUT_TYPES)
     return {"token_outputs": declared, "token_output_map": mapped}
 
 

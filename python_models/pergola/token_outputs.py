@@ -24,7 +24,12 @@ from pergola.errors import RequestError
 from pergola.hf_folder import ModelSpec
 
 DEFAULT_OUTPUTS = ("dense",)
-TOKEN_TENSORS = frozenset(("SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS"))
+# bge-m3's ragged output tensors, by name: (Triton data type, dims), in the order the embed ensemble
+# declares them (pergola.repo_builder), the gateway asks for them and the encoder builds them.
+TOKEN_OUTPUT_TYPES = {"SPARSE_INDICES": ("INT64", "-1"), "SPARSE_VALUES": ("FP32", "-1"),
+                      "SPARSE_OFFSETS": ("INT64", "-1"), "TOKEN_EMBEDDINGS": ("FP32", "-1, -1"),
+                      "TOKEN_OFFSETS": ("INT64", "-1")}
+TOKEN_TENSORS = frozenset(TOKEN_OUTPUT_TYPES)
 # The special tokens FlagEmbedding leaves out of the lexical weights (its `unused_tokens`).
 SKIPPED_SPECIALS = ("cls_token", "eos_token", "pad_token", "unk_token")
 

@@ -29,6 +29,7 @@ from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
 from pergola.gateway.triton_http import Tensor
 from pergola.rerank import RerankTokenizer
+from pergola.token_outputs import TOKEN_OUTPUT_TYPES
 from pergola.tokenization import TextTokenizer
 
 # Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
@@ -85,7 +86,7 @@ def _split(values: list[np.ndarray], offsets: np.ndarray) -> list[list[np.ndarra
 
 
 # bge-m3's per-token outputs (pergola.token_outputs) and, from the ensemble, each text's tokens
-_PER_TOKEN = ["SPARSE_INDICES", "SPARSE_VALUES", "SPARSE_OFFSETS", "TOKEN_EMBEDDINGS", "TOKEN_OFFSETS", "TOKEN_COUNT"]
+_PER_TOKEN = [*TOKEN_OUTPUT_TYPES, "TOKEN_COUNT"]
 
 
 def _per_token_answer(r, tokens: np.ndarray) -> PerToken:

@@ -111,17 +111,22 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_heads(base, w_ptr, c, s, eps, pre, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def _norm_rope_heads(base, w_ptr, c, s, eps, pre, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PENDING: tl.constexpr):
         # RMSNorm over each of NUM heads [NUM, D] at `base`, then RoPE (half-split), in place.
-        # pre: the row's pending 1/rms (folded input norm), rounded to the dtype as a product would be; else 1.
+        # PENDING: first times `pre`, the row's 1/rms of a folded input norm, rounded to the dtype as
+        # the normalised product would have been.
         half: tl.constexpr = HEAD_DIM // 2
         heads = tl.arange(0, HP)
         cols = tl.arange(0, half)
         offs = heads[:, None] * HEAD_DIM + cols[None, :]
         m = (heads < NUM)[:, None]
         dt = base.dtype.element_ty
-        x1 = (tl.load(base + offs, mask=m, other=0.0).to(tl.float32) * pre).to(dt).to(tl.float32)
-        x2 = (tl.load(base + half + offs, mask=m, other=0.0).to(tl.float32) * pre).to(dt).to(tl.float32)
+        x1 = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + half + offs, mask=m, other=0.0).to(tl.float32)
+        if PENDING:
+            x1 = (x1 * pre).to(dt).to(tl.float32)
+            x2 = (x2 * pre).to(dt).to(tl.float32)
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
         w1 = tl.load(w_ptr + cols).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + cols).to(tl.float32)[None, :]
@@ -150,8 +155,8 @@ if HAVE_TRITON:
         c = tl.load(cos_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
         row = qkv_ptr + token * row_stride
-        _norm_rope_heads(row, qw_ptr, c, s, eps, pre, NUM_Q, HP_Q, HEAD_DIM)
-        _norm_rope_heads(row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, pre, NUM_K, HP_K, HEAD_DIM)
+        _norm_rope_heads(row, qw_ptr, c, s, eps, pre, NUM_Q, HP_Q, HEAD_DIM, PENDING)
+        _norm_rope_heads(row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, pre, NUM_K, HP_K, HEAD_DIM, PENDING)
         if PENDING:  # v [NUM_K, D], scaled in place
             heads = tl.arange(0, HP_K)
             dims = tl.arange(0, HEAD_DIM)
