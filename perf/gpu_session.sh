@@ -7,7 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server mixed_fill
+#                                              # recheck fp8_server mixed_fill streams fold_ab
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -85,6 +85,14 @@ for step in "$@"; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
       done ;;
+    streams)  # queries on a stream of their own (query_stream, the default) against one stream: the lane's GPU
+      # test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms apart),
+      # each way, and the default under both loads (~5 minutes)
+      PERGOLA_TEST_DEVICE=gpu run pytest_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
+      run mixed_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 ids_25x4096 \
+        --out "$OUT/mixed_stream.json"
+      run mixed_one_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
+        --option query_stream=False --out "$OUT/mixed_one_stream.json" ;;
     mixed_fill)  # bulk kept and query latency against the fill of a query's step (query_fill_tokens):
       # one bulk sequence of 512 or two ride along with the query, 100 x 512, ~1 min each
       for fill in 640 1152; do
@@ -186,10 +194,12 @@ for step in "$@"; do
         run "server_${model//-/_}" python3 perf/bench_server.py --model "$model" --suites latency throughput \
           --latency-n 40 --workdir /tmp/pergola-archs --out "$OUT/server_${model//-/_}.json"
       done ;;
-    vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~7 min)
+    vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~7 min;
+      # VLLM_MODELS="qwen3-0.6b": Qwen3's alone, ~2 min)
       # shellcheck disable=SC1091
+      # shellcheck disable=SC2086
       (source /tmp/vllm-site/env.sh && run vllm_server python3 perf/bench_vllm.py \
-        --models qwen3-0.6b bge-m3 gte-modernbert --suites server --workdir /tmp/pergola-archs \
+        --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --workdir /tmp/pergola-archs \
         --out "$OUT/vllm_server.json") ;;
     archs_perf)  # both of the above, ~13 min: over one 10-minute command, so run the two steps apart there
       archs_perf bge-m3 bge_m3
@@ -197,7 +207,8 @@ for step in "$@"; do
     *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
-         "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling)" >&2
+         "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
+         "streams fold_ab batch1 adapter fp8)" >&2
        exit 2 ;;
   esac
 done

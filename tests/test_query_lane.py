@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import cosine_rows
 from pergola.config import EngineConfig
@@ -256,17 +257,23 @@ def test_queries_cannot_starve_bulk_work(engine):
     np.testing.assert_allclose(got["bulk"], alone_bulk, atol=1e-5)
 
 
-# --- on a GPU: the query lane's own buffers and graphs, between eager layers on one stream ----
+# --- on a GPU: the query lane's own buffers and graphs, beside or between eager layers ----------
 @pytest.mark.gpu
-def test_on_a_gpu_queries_run_between_bulk_layers_and_change_nothing(tmp_path_factory):
+@pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "one-stream"])
+def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_factory, own_stream):
     """Qwen3-0.6B shape, bulk steps of 16k tokens (eager, hooked), queries on lane 1 (graphs
-    captured and replayed from inside the hook): each query is delivered before the bulk request,
+    captured and replayed from inside the hook), on a stream of their own at high priority or
+    in turn with the bulk layers on one stream: each query is delivered before the bulk request,
     and every result equals its lone computation on lane 0."""
     from conftest import qwen3_folders_or_skip
 
     folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("lane-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
-    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0"))
+    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", query_stream=own_stream))
     assert len(eng.runner.lanes) == 2 and eng.runner.query_lane == 1
+    assert (eng.runner.lanes[1].stream is not None) == own_stream and eng.runner.lanes[0].stream is None
+    if own_stream:
+        low, high = torch.cuda.Stream.priority_range()
+        assert eng.runner.lanes[1].stream.priority == high < low
     bulk = ids_request(64, 512, seed=5)  # two 16k-token eager steps
     queries = [ids_request(1, 64 + 32 * i, seed=20 + i) for i in range(6)]
     alone_bulk = eng.encode([bulk])[0]

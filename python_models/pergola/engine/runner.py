@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -129,13 +129,20 @@ class Lane:
     captured over them, the pinned result buffers and each graph key's attention plan. Lane 0
     takes every step; with `query_tokens` set, lane 1 takes queries' small steps, which may run
     between the layers of a lane-0 step in flight (engine/loop.py), so it must not touch lane 0's
-    buffers. Both lanes run on one stream: their work is ordered on the device."""
+    buffers. With `query_stream` lane 1 has a CUDA stream of its own at the highest priority:
+    its kernels run beside the bulk step's, taking SMs as the bulk kernels' blocks finish,
+    instead of after them; without it both lanes share the current stream."""
 
     buffers: StaticBuffers
     graphs: GraphCache | None
     results: list[torch.Tensor]  # two pinned [max_seqs, out_dim] buffers, used in turn
     plans: dict[tuple[int, int], object | None]
+    stream: torch.cuda.Stream | None = None  # None: the thread's current stream
     next_result: int = 0
+
+    def on_stream(self):
+        """Context in which this lane's work is issued (inputs, plan, forward, copy back)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
 
 class ModelRunner:
@@ -191,7 +198,11 @@ class ModelRunner:
                                 max_seqs)
         # Two pinned result buffers: step N+1's result lands in one while step N's is read.
         results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
-        return Lane(buffers, graphs, results, {})
+        stream = None
+        if index > 0 and self.cfg.query_stream:
+            _, highest = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers win
+            stream = torch.cuda.Stream(self.device, priority=highest)
+        return Lane(buffers, graphs, results, {}, stream)
 
     def _between_layers_hooks(self) -> None:
         """Call `layer_hook` after each transformer layer of an armed (lane-0 eager) step: the
@@ -346,14 +357,20 @@ class ModelRunner:
                 pooled, rows = self.forward(self.prepare(input_ids, lengths, skips, token_types))
                 return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None)
         ln = self.lanes[lane]
+        with ln.on_stream():
+            return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns)
+
+    def _lane_step(self, lane: int, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None,
+                   token_types: np.ndarray | None, hooked: bool, token_columns: int) -> LazyTensor:
+        ln = self.lanes[lane]
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
         key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None else None
         s, t = key or (num_seqs, num_tokens)
         ln.buffers.fill(input_ids, lengths, skips, token_types, s, t)
         if key is not None:
             # Planned for the key before every run: a replay runs the plan captured with the graph,
-            # which the backend has just re-planned in place (FlashInfer: the key's own wrapper;
-            # both lanes' steps are ordered on one stream, so a re-plan never races a replay).
+            # which the backend has just re-planned in place (FlashInfer: the key's own wrapper of
+            # this lane's stream, and steps of one stream are ordered: a re-plan never races a replay).
             ln.plans[key] = self._plan(ln, self.graph_backend(t), graph_key=key)
             self.last_mode = ln.graphs.run(key)
         else:

@@ -210,7 +210,8 @@ class FlashInferAttention(AttentionBackend):
     own wrapper in FlashInfer's CUDA-graph mode: fixed indptr buffers, a grid sized for the
     key's worst case, and a schedule re-planned into the same addresses before every replay,
     which is what makes the captured kernels valid for any later step of that bucket.
-    The float workspace (split-kv partials) is shared: kernels of one stream never overlap.
+    Each CUDA stream that plans gets its own workspace (split-kv partials) and wrappers: kernels of
+    one stream never overlap, but the queries' stream runs beside the bulk one (engine/runner.py).
     Kernels are JIT-compiled on first use (fa2 ~21 s, fa3 ~66 s on the H200) unless a
     prebuilt module is installed (`scripts/gpu_bundle.py --with-flashinfer` ships them).
     """
@@ -230,29 +231,44 @@ class FlashInferAttention(AttentionBackend):
 
         super().__init__(device, dtype)
         self._flashinfer = flashinfer
-        self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)
-        self.eager = self._wrapper(None)
-        self.graphed: dict[tuple[int, int], object] = {}
+        self._workspace_bytes = workspace_mb << 20
+        # stream -> its workspace; (stream, graph key or None for eager steps) -> wrapper
+        self._workspaces: dict[int, torch.Tensor] = {}
+        self._wrappers: dict[tuple[int, tuple[int, int] | None], object] = {}
         self._planned: dict[int, tuple] = {}  # id(wrapper) -> what it was last planned for
         self._copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan's upload
+        self._wrapper(None)  # the default stream's workspace, allocated while the model loads
 
-    def _wrapper(self, num_seqs: int | None):
+    @property
+    def graphed(self) -> list[object]:
+        """The graph keys' wrappers, of every stream (tests count them)."""
+        return [w for (_, key), w in self._wrappers.items() if key is not None]
+
+    def _wrapper(self, graph_key: tuple[int, int] | None):
+        """The current stream's wrapper for `graph_key` (None: eager steps), made on first use."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        wrapper = self._wrappers.get((stream, graph_key))
+        if wrapper is not None:
+            return wrapper
+        workspace = self._workspaces.get(stream)
+        if workspace is None:
+            workspace = self._workspaces[stream] = torch.zeros(self._workspace_bytes, dtype=torch.uint8,
+                                                               device=self.device)
         make = self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper
-        if num_seqs is None:
-            return make(self.workspace, "NHD", backend=self.template)
-        qo = torch.zeros(num_seqs + 1, dtype=torch.int32, device=self.device)
-        return make(self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo,
-                    kv_indptr_buf=torch.zeros_like(qo), backend=self.template)
+        if graph_key is None:
+            wrapper = make(workspace, "NHD", backend=self.template)
+        else:
+            qo = torch.zeros(graph_key[0] + 1, dtype=torch.int32, device=self.device)
+            wrapper = make(workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo,
+                           kv_indptr_buf=torch.zeros_like(qo), backend=self.template)
+        self._wrappers[(stream, graph_key)] = wrapper
+        return wrapper
 
     def plan(self, cu_seqlens_host: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
              causal: bool, graph_key: tuple[int, int] | None = None) -> object:
-        """Schedule the next step; -> the wrapper to run it: the eager one, or `graph_key`'s own."""
-        if graph_key is None:
-            wrapper = self.eager
-        else:
-            wrapper = self.graphed.get(graph_key)
-            if wrapper is None:
-                wrapper = self.graphed[graph_key] = self._wrapper(graph_key[0])
+        """Schedule the next step on the current stream; -> the wrapper to run it: the stream's
+        eager one, or its own for `graph_key`."""
+        wrapper = self._wrapper(graph_key)
         key = (tuple(cu_seqlens_host.tolist()), num_heads, num_kv_heads, head_dim, causal)
         if self._planned.get(id(wrapper)) == key:
             return wrapper
