@@ -85,14 +85,14 @@ for step in "$@"; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
       done ;;
-    streams)  # queries on a stream of their own (query_stream, the default) against one stream: the lane's GPU
-      # test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms apart),
-      # each way, and the default under both loads (~5 minutes)
+    streams)  # queries on a stream of their own (--query-stream) against one stream (the default): the lane's
+      # GPU test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms
+      # apart) each way, and the own stream under 25 x 4,096 too (~5 minutes)
       PERGOLA_TEST_DEVICE=gpu run pytest_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
       run mixed_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 ids_25x4096 \
-        --out "$OUT/mixed_stream.json"
+        --option query_stream=True --out "$OUT/mixed_stream.json"
       run mixed_one_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
-        --option query_stream=False --out "$OUT/mixed_one_stream.json" ;;
+        --out "$OUT/mixed_one_stream.json" ;;
     mixed_fill)  # bulk kept and query latency against the fill of a query's step (query_fill_tokens):
       # one bulk sequence of 512 or two ride along with the query, 100 x 512, ~1 min each
       for fill in 640 1152; do

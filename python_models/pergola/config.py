@@ -40,11 +40,12 @@ class EngineConfig:
                                      "their steps come first and run between the layers of a large "
                                      "step in flight, so a query waits about one layer, not a whole step "
                                      "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
-    query_stream: bool = option(True, "GPU: queries' steps run on a CUDA stream of their own at the highest "
-                                      "priority, beside a bulk step's kernels (taking SMs as its blocks finish) "
-                                      "instead of in turn with them, so bulk work loses about what a query "
-                                      "computes, not its whole batch-1 forward (perf/RESULTS.md, mixed "
-                                      "traffic); off: one stream, a query's step between two bulk layers")
+    query_stream: bool = option(False, "GPU, experimental: queries' steps run on a CUDA stream of their own at "
+                                       "the highest priority, beside a bulk step's kernels (taking SMs as its "
+                                       "blocks finish) instead of in turn with them; meant to cut what each query "
+                                       "costs the bulk work (~2 ms on an H100 in turn, about its whole batch-1 "
+                                       "forward; perf/RESULTS.md, mixed traffic); not measured on a GPU yet "
+                                       "(`bash perf/gpu_session.sh streams`)")
     query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
                                        "tokens (at most query_tokens). Bulk work then loses less to queries (88% "
                                        "of its throughput kept instead of 83% at 2,048, H200, 100 x 512 tokens) "
