@@ -87,12 +87,15 @@ for step in "$@"; do
       done ;;
     streams)  # queries on a stream of their own (--query-stream) against one stream (the default): the lane's
       # GPU test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms
-      # apart) each way, and the own stream under 25 x 4,096 too (~5 minutes)
+      # apart): one stream, the own stream, and the own stream with the bulk matmuls leaving 8 or 16 SMs
+      # free while queries are about (--query-sm-margin), ~1 minute each
       PERGOLA_TEST_DEVICE=gpu run pytest_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
-      run mixed_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 ids_25x4096 \
-        --option query_stream=True --out "$OUT/mixed_stream.json"
       run mixed_one_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
-        --out "$OUT/mixed_one_stream.json" ;;
+        --out "$OUT/mixed_one_stream.json"
+      for margin in 0 8 16; do
+        run "mixed_stream_margin$margin" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
+          --option query_stream=True --option "query_sm_margin=$margin" --out "$OUT/mixed_stream_margin$margin.json"
+      done ;;
     mixed_fill)  # bulk kept and query latency against the fill of a query's step (query_fill_tokens):
       # one bulk sequence of 512 or two ride along with the query, 100 x 512, ~1 min each
       for fill in 640 1152; do

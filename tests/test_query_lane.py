@@ -259,16 +259,18 @@ def test_queries_cannot_starve_bulk_work(engine):
 
 # --- on a GPU: the query lane's own buffers and graphs, beside or between eager layers ----------
 @pytest.mark.gpu
-@pytest.mark.parametrize("own_stream", [True, False], ids=["own-stream", "one-stream"])
-def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_factory, own_stream):
+@pytest.mark.parametrize("own_stream,margin", [(True, 0), (True, 16), (False, 0)],
+                         ids=["own-stream", "own-stream-sm-margin", "one-stream"])
+def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_factory, own_stream, margin):
     """Qwen3-0.6B shape, bulk steps of 16k tokens (eager, hooked), queries on lane 1 (graphs
-    captured and replayed from inside the hook), on a stream of their own at high priority or
-    in turn with the bulk layers on one stream: each query is delivered before the bulk request,
-    and every result equals its lone computation on lane 0."""
+    captured and replayed from inside the hook), on a stream of their own at high priority (with
+    the bulk matmuls leaving SMs free, or not) or in turn with the bulk layers on one stream: each
+    query is delivered before the bulk request, and every result equals its lone computation on lane 0."""
     from conftest import qwen3_folders_or_skip
 
     folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("lane-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
-    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", query_stream=own_stream))
+    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", query_stream=own_stream,
+                              query_sm_margin=margin))
     assert len(eng.runner.lanes) == 2 and eng.runner.query_lane == 1
     assert (eng.runner.lanes[1].stream is not None) == own_stream and eng.runner.lanes[0].stream is None
     if own_stream:
@@ -309,6 +311,8 @@ def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_fac
     finally:
         loop.stop()
         eng.runner.layer_hook = hook
+    carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)()
+    assert carveout in (None, 0)  # the SMs are given back when the loop ends
     assert order[-1] == "bulk", order
     assert eng.runner.lanes[1].graphs.stats.replays > 0
     assert cosine_rows(got["bulk"], alone_bulk).min() >= 0.9999

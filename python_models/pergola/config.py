@@ -46,6 +46,11 @@ class EngineConfig:
                                        "costs the bulk work (~2 ms on an H100 in turn, about its whole batch-1 "
                                        "forward; perf/RESULTS.md, mixed traffic); not measured on a GPU yet "
                                        "(`bash perf/gpu_session.sh streams`)")
+    query_sm_margin: int = option(0, "GPU, experimental, with query_stream: while queries are about (one in flight "
+                                     "or queued, or launched in the last 20 ms), the bulk step's cuBLAS matmuls "
+                                     "target this many SMs fewer (cuBLAS's SM count target), so that a query's "
+                                     "kernels find SMs free instead of waiting for a persistent matmul to end; "
+                                     "not measured on a GPU yet (`bash perf/gpu_session.sh streams`)")
     query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
                                        "tokens (at most query_tokens). Bulk work then loses less to queries (88% "
                                        "of its throughput kept instead of 83% at 2,048, H200, 100 x 512 tokens) "
@@ -122,6 +127,11 @@ class EngineConfig:
         for name in ("query_tokens", "query_fill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
+        if self.query_sm_margin < 0:
+            raise ValueError(f"query_sm_margin must be 0 (off) or positive, got {self.query_sm_margin}")
+        if self.query_sm_margin and not (self.query_stream and self.query_tokens):
+            raise ValueError("query_sm_margin leaves SMs to queries on their own stream: it needs query_stream "
+                             "and query_tokens")
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
         for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",

@@ -49,6 +49,9 @@ FREE_LAST_LAYERS = 3
 # With the queries' own stream (query_stream), how often the host, waiting for a bulk layer,
 # looks for a query step that finished (to answer it) or a new query (to launch it).
 POLL_S = 50e-6
+# With query_sm_margin: how long after a query's step was launched the bulk matmuls keep leaving
+# SMs free (sequential queries come a client's round trip apart).
+MARGIN_HOLD_S = 0.02
 
 
 class Overloaded(RuntimeError):
@@ -133,6 +136,12 @@ class EncodeLoop:
         self._concurrent = len(lanes) > 1 and lanes[1].stream is not None
         self._layers_done = 0  # bulk layers the device has finished (seen by the host's waits)
         self._query_launched_at = -1  # _layers_done when the latest query step was launched
+        self._sm_margin = cfg.query_sm_margin if self._concurrent else 0
+        if self._sm_margin and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise RuntimeError(f"query_sm_margin needs PyTorch's SM carveout, which torch {torch.__version__} "
+                               "lacks (torch._C._set_sm_carveout_experimental); set it to 0")
+        self._margin_on = False
+        self._query_at = 0.0  # time.perf_counter() when the latest queries' step was launched
         self._jobs: dict[int, Job] = {}
         self._keys = itertools.count()
         self._cond = threading.Condition()
@@ -239,6 +248,7 @@ class EncodeLoop:
         while True:
             if inflight is None and not self._side and not self._wait(woken, timeout=1.0):
                 self._trimmer.now()  # idle for a second: give the heap back, tell the metrics
+                self._set_margin(False)
                 self._idle_callback()
                 answered = self.answered_at_once
                 while not self._wait(woken, timeout=1.0):  # and again after queries run_now answered
@@ -268,6 +278,7 @@ class EncodeLoop:
                 launched = None
             inflight = launched
             self._collect_queries(block=inflight is None)
+        self._set_margin(False)
         for job in leftover:
             job.fail(Unloading("the model was unloaded before this request was computed; retry"))
 
@@ -294,12 +305,14 @@ class EncodeLoop:
         """A bulk step: queries may be served between its layers (`_between_layers`)."""
         self._layer_events.clear()
         self._layer = 0
+        self._steer_margin()
         return self.engine.launch(step, requests, hooked=True)
 
     # --- the query lane ---------------------------------------------------------------
     def _launch_query(self, step: Step, requests: dict) -> None:
         """Launch a queries' step on the runner's query lane, beside the main pipeline; it is
         collected as soon as it is done (`_collect_queries`), not behind the bulk step."""
+        self._query_at = time.perf_counter()
         try:
             self._side.append((step, self.engine.launch(step, requests, lane=self.engine.runner.query_lane)))
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
@@ -336,6 +349,7 @@ class EncodeLoop:
         if self._concurrent:
             self._collect_queries()
             self._launch_beside()
+            self._steer_margin()
             return
         if not self._queue.has_queries or self._stopping:
             return
@@ -357,6 +371,19 @@ class EncodeLoop:
                 self._launch_beside()
                 time.sleep(POLL_S)
         self._layers_done += 1
+
+    def _steer_margin(self) -> None:
+        """With query_sm_margin: the next bulk matmuls leave that many SMs free while queries are
+        about, all SMs otherwise (cuBLAS reads the target when a matmul is launched)."""
+        if not self._sm_margin:
+            return
+        self._set_margin(bool(self._side) or self._queue.has_queries
+                         or time.perf_counter() - self._query_at < MARGIN_HOLD_S)
+
+    def _set_margin(self, on: bool) -> None:
+        if on != self._margin_on:
+            torch._C._set_sm_carveout_experimental(self._sm_margin if on else None)
+            self._margin_on = on
 
     def _launch_beside(self) -> None:
         """Launch the next queries' step beside the bulk step: one at a time, and only once the
