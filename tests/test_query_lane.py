@@ -257,6 +257,43 @@ def test_queries_cannot_starve_bulk_work(engine):
     np.testing.assert_allclose(got["bulk"], alone_bulk, atol=1e-5)
 
 
+class LayerNotDoneFor:
+    """A stand-in for a bulk layer's CUDA event: done after `polls` queries."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def test_with_their_own_stream_queries_are_launched_and_answered_while_a_bulk_layer_runs(engine, monkeypatch):
+    """The host's wait for a bulk layer (query_stream): it launches a query that arrived and
+    answers it once done without waiting for the layer, but launches at most one queries' step
+    per bulk layer (their stream's priority would otherwise let a flood of them starve the bulk
+    step). The loop's thread is kept out (its _run does nothing) so the test drives the wait."""
+    monkeypatch.setattr(EncodeLoop, "_run", lambda self: None)
+    loop = EncodeLoop(engine)
+    loop._concurrent = True  # (the CPU has no streams: the runner computes a launched step at once)
+    queries = [ids_request(1, 24 + 8 * i, seed=40 + i) for i in range(2)]
+    answered: list[int] = []
+
+    def answer(i: int) -> None:
+        answered.append(i)
+        if i == 0:  # the next query arrives as soon as the first is answered, in the same layer
+            loop.submit(Job(queries[1], deliver=lambda r: answer(1), fail=print))
+
+    loop.submit(Job(queries[0], deliver=lambda r: answer(0), fail=print))
+    loop._wait_layer(LayerNotDoneFor(polls=3))
+    assert answered == [0] and loop._layers_done == 1  # the second waits for the next layer
+    loop._wait_layer(LayerNotDoneFor(polls=3))
+    assert answered == [0, 1] and loop._layers_done == 2
+    loop._wait_layer(LayerNotDoneFor(polls=0))  # nothing left: the wait only counts the layer
+    assert answered == [0, 1] and not loop._side and loop._layers_done == 3
+    loop.stop()
+
+
 # --- on a GPU: the query lane's own buffers and graphs, beside or between eager layers ----------
 @pytest.mark.gpu
 @pytest.mark.parametrize("own_stream,margin", [(True, 0), (True, 16), (False, 0)],
