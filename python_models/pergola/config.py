@@ -44,12 +44,15 @@ class EngineConfig:
                                        "the highest priority, beside a bulk step's kernels (taking SMs as its "
                                        "blocks finish) instead of in turn with them; meant to cut what each query "
                                        "costs the bulk work (~2 ms on an H100 in turn, about its whole batch-1 "
-                                       "forward; perf/RESULTS.md, mixed traffic); not measured on a GPU yet "
+                                       "forward). Alone it made a query wait 14.8 ms p50 under 100 x 512 in "
+                                       "process (the bulk kernels hold the SMs; perf/RESULTS.md, mixed traffic): "
+                                       "meant with query_sm_margin, not measured so yet "
                                        "(`bash perf/gpu_session.sh streams`)")
     query_sm_margin: int = option(0, "GPU, experimental, with query_stream: while queries are about (one in flight "
                                      "or queued, or launched in the last 20 ms), the bulk step's cuBLAS matmuls "
-                                     "target this many SMs fewer (cuBLAS's SM count target), so that a query's "
-                                     "kernels find SMs free instead of waiting for a persistent matmul to end; "
+                                     "and the persistent Triton tiles target this many SMs fewer (PyTorch's SM "
+                                     "carveout), so that a query's kernels find SMs free instead of waiting for "
+                                     "a persistent matmul to end; "
                                      "not measured on a GPU yet (`bash perf/gpu_session.sh streams`)")
     query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
                                        "tokens (at most query_tokens). Bulk work then loses less to queries (88% "

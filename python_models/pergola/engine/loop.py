@@ -9,9 +9,12 @@ from all queued requests (engine/scheduler.py: least work left first), so a quer
 at most the step in flight, and with the query lane (`query_tokens`) about one layer of it: its
 step runs between two layers of the bulk step (`_between_layers`; on the H200 under 100 x 512-token
 bulk requests a 128-token query took 3.90 ms p50, against 84.4 ms with one lane, perf/RESULTS.md
-"Mixed traffic"). With `query_stream` the queries' step runs on a stream of its own, beside the
-bulk layers instead of between them: run in turn, each query cost the bulk work ~2 ms of an H100's
-time, about its whole batch-1 forward, which leaves most SMs idle. Between steps it also drops requests whose client has gone (a
+"Mixed traffic"). Run in turn, each query costs the bulk work ~2 ms of an H100's time, about its
+whole batch-1 forward, which leaves most SMs idle. The experimental `query_stream` runs the queries'
+step on a stream of its own, beside the bulk layers instead of between them, and `query_sm_margin`
+has the bulk matmuls leave SMs free for it meanwhile (without a margin a query on its own stream
+waited 14.8 ms in process: the bulk kernels hold the SMs until they end). Between steps it also
+drops requests whose client has gone (a
 cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
 once when the queued work would take longer than `max_queue_seconds` at the measured
 throughput, or than the request's own timeout: load is shed by work, not by request count.

@@ -265,9 +265,16 @@ def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Ti
 
 
 def _sm_count(device: torch.device) -> int:
+    """The SMs a persistent tile kernel spreads over: the device's, less PyTorch's SM carveout
+    when one is set (query_sm_margin: the bulk matmuls leave SMs to queries; cuBLAS honours the
+    same setting), so the persistent Triton tiles leave them too."""
     if device.type != "cuda":  # Triton's interpreter (tests): a few programs, each walking several tiles
         return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
+    sms = torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
+    return max(1, sms - (_carveout() or 0))
+
+
+_carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
