@@ -7,7 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server mixed_fill streams fold_ab
+#                                              # recheck fp8_server mixed_fill streams lanes_loop fold_ab
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -85,6 +85,13 @@ for step in "$@"; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
       done ;;
+    lanes_loop)  # in process, no server: the encode loop's query latency and bulk kept under 100 x 512 and
+      # 25 x 4,096, one stream (the default) against the queries' own stream with 0, 8, 16 or 32 SMs left
+      # to them (~4 minutes)
+      run lanes_loop python3 perf/experiments/bench_lanes.py -n 300 --seconds 6 --loop-variant \
+        stream0:query_stream=1 stream8:query_stream=1,query_sm_margin=8 \
+        stream16:query_stream=1,query_sm_margin=16 stream32:query_stream=1,query_sm_margin=32 \
+        --out "$OUT/lanes_loop.json" ;;
     streams)  # queries on a stream of their own (--query-stream) against one stream (the default): the lane's
       # GPU test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms
       # apart): one stream, then the own stream with the bulk matmuls leaving 8, 16 or 32 SMs free while
@@ -211,7 +218,7 @@ for step in "$@"; do
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
          "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams fold_ab batch1 adapter fp8)" >&2
+         "streams lanes_loop fold_ab batch1 adapter fp8)" >&2
        exit 2 ;;
   esac
 done

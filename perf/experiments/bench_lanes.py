@@ -8,8 +8,11 @@ query near its idle latency. This measures, in process on the Qwen3-0.6B shape:
   - `lanes_P`: bulk steps run by a thread on a normal stream, queries by another thread on a stream
     of priority P (high = -1 or the device's greatest, normal = 0), each with its own engine;
 and bulk throughput alone and with the queries, for 100 x 512 and 25 x 4,096 bulk requests.
+`--loop-variant LABEL:FIELD=VALUE,...` measures only the loop, once per EngineConfig variant
+(e.g. the queries' own stream with an SM margin), the default engine first:
 
     python3 perf/experiments/bench_lanes.py --out perf/out/lanes.json
+    python3 perf/experiments/bench_lanes.py --loop-variant stream16:query_stream=1,query_sm_margin=16
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_models"))
-from common import model_folder, percentiles, write_result  # noqa: E402
+from common import model_folder, parse_variants, percentiles, write_result  # noqa: E402
 
 from pergola.config import EngineConfig  # noqa: E402
 from pergola.engine import EncodeRequest, Engine  # noqa: E402
@@ -121,6 +124,8 @@ def loop(engine: Engine, bulk_req: EncodeRequest, query: EncodeRequest, n: int, 
         lp.submit(Job(query, deliver=lambda r: done.set(), fail=lambda e: done.set()))
         done.wait()
 
+    for _ in range(3):  # the query lane's graph key: warm-up, capture, replay
+        query_once()
     feeder = threading.Thread(target=feed, daemon=True)
     t0 = time.perf_counter()
     feeder.start()
@@ -143,11 +148,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--budgets", type=int, nargs="+", default=[16384, 4096])
     p.add_argument("--switch-interval", type=float, nargs="+", default=[0.005, 0.0005])
+    p.add_argument("--loop-variant", nargs="*", default=[], metavar="LABEL:FIELD=VALUE[,FIELD=VALUE]",
+                   help="measure only the loop, for the default engine and each of these")
     args = p.parse_args()
     folder = model_folder("qwen3-0.6b", Path(args.workdir))
     low, high = torch.cuda.Stream.priority_range()
     print(f"stream priorities: low {low}, high {high}", flush=True)
     cfg = dict(model_dir=str(folder), device="cuda:0", dtype="bfloat16")
+    if args.loop_variant:
+        write_result(loop_variants(cfg, parse_variants(args.loop_variant), args.n, args.seconds), args.out)
+        return
     bulk_engine, query_engine = Engine(EngineConfig(**cfg)), Engine(EngineConfig(**cfg))
     query = request(1, 128)
     res: dict = {"priority_range": [low, high], "idle": {}, "runs": []}
@@ -180,6 +190,24 @@ def main() -> None:
             del engine
             torch.cuda.empty_cache()
     write_result(res, args.out)
+
+
+def loop_variants(cfg: dict, variants: dict[str, dict], n: int, seconds: float) -> dict:
+    """loop() for the default engine and each variant, under 100 x 512 and 25 x 4,096 bulk requests."""
+    query, runs = request(1, 128), []
+    for label, overrides in {"default": {}, **variants}.items():
+        engine = Engine(EngineConfig(**cfg, **overrides))
+        for n_texts, length in ((100, 512), (25, 4096)):
+            bulk_req = request(n_texts, length)
+            warm(engine, torch.cuda.current_stream(), [bulk_req, query])
+            r = loop(engine, bulk_req, query, n, seconds)
+            r |= {"mode": f"loop_{label}", "options": overrides, "bulk": f"{n_texts}x{length}",
+                  "bulk_kept": r["bulk_with_queries_per_s"] / r["bulk_alone_per_s"]}
+            runs.append(r)
+            print(r, flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    return {"runs": runs}
 
 
 if __name__ == "__main__":
