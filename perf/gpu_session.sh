@@ -188,8 +188,10 @@ for step in "$@"; do
         --out "$OUT/adapter_gpu.json" ;;
     fp8)  # FP8: its GPU tests, fidelity against BF16, engine throughput against BF16, a few minutes
       PERGOLA_TEST_DEVICE=gpu run pytest_fp8 python3 -m pytest -q -rs tests/test_fp8.py
-      run fp8_fidelity python3 perf/fp8_fidelity.py --models minilm qwen3-0.6b --fp8-bf16-layers 0 1 2 --out "$OUT/fp8_fidelity.json"
+      run fp8_fidelity python3 perf/fp8_fidelity.py --models minilm qwen3-0.6b --fp8-bf16-layers 0 1 2 3 \
+        --out "$OUT/fp8_fidelity.json"
       run engine_fp8 python3 perf/bench_engine.py --models qwen3-0.6b --latency-n 40 --variant fp8:quantization=fp8 \
+        fp8_all:quantization=fp8,fp8_bf16_layers=0 fp8_3bf16:quantization=fp8,fp8_bf16_layers=3 \
         --out "$OUT/engine_fp8.json" ;;
     archs)  # the architectures' GPU tests: published shapes, bge-m3's outputs, decoder rerankers
       PERGOLA_TEST_DEVICE=gpu run pytest_archs python3 -m pytest -q -ra tests/test_architectures_gpu.py \
