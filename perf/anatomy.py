@@ -49,6 +49,15 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def device_events(prof) -> list[dict]:
+    """The device's kernels, copies and memsets of a finished torch.profiler run, as chrome-trace
+    events (ts and dur in µs on the device's clock; args.stream: the stream)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
 def union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, -1e30
     for s, e in sorted(intervals):
@@ -81,10 +90,7 @@ def trace_calls(engine: Engine, seqs: list[np.ndarray], calls: int) -> dict:
         for _ in range(calls):
             pergola_embed(engine, seqs)
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    gpu = device_events(prof)
     by_kind: dict[str, float] = {}
     for e in gpu:
         k = kind_of(e["name"]) if e["cat"] == "kernel" else "copy"

@@ -7,7 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server mixed_fill streams lanes_loop fold_ab
+#                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -85,6 +85,12 @@ for step in "$@"; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
       done ;;
+    trace_mixed)  # where a query's cost to the bulk work goes (kernel time added vs device idle added), in
+      # process under 100 x 512: one stream, the own stream, the own stream with 16 SMs left (~2 minutes)
+      run trace_one_stream python3 perf/experiments/trace_mixed.py --out "$OUT/trace_one_stream.json"
+      run trace_stream python3 perf/experiments/trace_mixed.py --option query_stream=1 --out "$OUT/trace_stream.json"
+      run trace_stream16 python3 perf/experiments/trace_mixed.py --option query_stream=1 --option query_sm_margin=16 \
+        --out "$OUT/trace_stream16.json" ;;
     lanes_loop)  # in process, no server: the encode loop's query latency and bulk kept under 100 x 512 and
       # 25 x 4,096, one stream (the default) against the queries' own stream with 0, 8, 16 or 32 SMs left
       # to them (~4 minutes)
@@ -220,7 +226,7 @@ for step in "$@"; do
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
          "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams lanes_loop fold_ab batch1 adapter fp8)" >&2
+         "streams lanes_loop trace_mixed fold_ab batch1 adapter fp8)" >&2
        exit 2 ;;
   esac
 done
