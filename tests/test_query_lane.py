@@ -294,6 +294,23 @@ def test_with_their_own_stream_queries_are_launched_and_answered_while_a_bulk_la
     loop.stop()
 
 
+@pytest.mark.skipif(not hasattr(torch._C, "_set_sm_carveout_experimental"), reason="this PyTorch has no SM carveout")
+def test_graphs_are_captured_for_every_sm_whatever_margin_queries_hold():
+    """A captured graph replays the kernels chosen at capture for good: the SM margin the loop
+    leaves to queries at that moment must not be recorded into it (cudagraph.whole_gpu)."""
+    from pergola.cudagraph import whole_gpu
+
+    torch._C._set_sm_carveout_experimental(16)
+    try:
+        with whole_gpu():
+            assert torch._C._get_sm_carveout_experimental() is None
+        assert torch._C._get_sm_carveout_experimental() == 16  # the loop's margin, back after the capture
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+    with whole_gpu():  # no margin: nothing to lift
+        assert torch._C._get_sm_carveout_experimental() is None
+
+
 # --- on a GPU: the query lane's own buffers and graphs, beside or between eager layers ----------
 @pytest.mark.gpu
 @pytest.mark.parametrize("own_stream,margin", [(True, 0), (True, 16), (False, 0)],

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -105,36 +106,57 @@ def lanes(bulk_engine: Engine, query_engine: Engine, bulk_req: EncodeRequest, qu
             "bulk_with_queries_per_s": bulk.texts / bulk.seconds}
 
 
+class BulkFeed(threading.Thread):
+    """Keeps `depth` bulk requests queued on an encode loop (the server's four bulk clients);
+    counts the texts answered."""
+
+    def __init__(self, loop: EncodeLoop, req: EncodeRequest, depth: int = 4) -> None:
+        super().__init__(daemon=True)
+        self.loop, self.req = loop, req
+        self.slots = threading.Semaphore(depth)
+        self.stop = threading.Event()
+        self.texts = 0
+
+    def done(self, result: np.ndarray) -> None:
+        self.texts += result.shape[0]
+        self.slots.release()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if self.slots.acquire(timeout=0.1):
+                self.loop.submit(Job(self.req, deliver=self.done, fail=lambda e: self.slots.release()))
+
+
+def query_caller(lp: EncodeLoop, query: EncodeRequest) -> Callable[[], float]:
+    """-> a function that submits `query`, waits for its answer and returns the ms it took; called
+    three times here (the query lane's graph key: warm-up, capture, replay)."""
+    answered = threading.Event()
+
+    def call() -> float:
+        answered.clear()
+        t0 = time.perf_counter()
+        lp.submit(Job(query, deliver=lambda r: answered.set(), fail=lambda e: answered.set()))
+        answered.wait()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(3):
+        call()
+    return call
+
+
 def loop(engine: Engine, bulk_req: EncodeRequest, query: EncodeRequest, n: int, seconds: float) -> dict:
     """Today's single loop: bulk jobs kept 4 deep, queries submitted one at a time."""
     lp = EncodeLoop(engine)
-    done = threading.Event()
-    stop = threading.Event()
-    texts = [0]
-    inflight = threading.Semaphore(4)
-
-    def feed() -> None:
-        while not stop.is_set():
-            inflight.acquire()
-            lp.submit(Job(bulk_req, deliver=lambda r: (texts.__setitem__(0, texts[0] + r.shape[0]), inflight.release()),
-                          fail=lambda e: inflight.release()))
-
-    def query_once() -> None:
-        done.clear()
-        lp.submit(Job(query, deliver=lambda r: done.set(), fail=lambda e: done.set()))
-        done.wait()
-
-    for _ in range(3):  # the query lane's graph key: warm-up, capture, replay
-        query_once()
-    feeder = threading.Thread(target=feed, daemon=True)
+    query_once = query_caller(lp, query)
+    feed = BulkFeed(lp, bulk_req)
     t0 = time.perf_counter()
-    feeder.start()
+    feed.start()
     time.sleep(seconds)
-    alone = texts[0] / (time.perf_counter() - t0)
-    t1, c1 = time.perf_counter(), texts[0]
+    alone = feed.texts / (time.perf_counter() - t0)
+    t1, c1 = time.perf_counter(), feed.texts
     ms = queries(query_once, n)
-    with_q = (texts[0] - c1) / (time.perf_counter() - t1)
-    stop.set()
+    with_q = (feed.texts - c1) / (time.perf_counter() - t1)
+    feed.stop.set()
     time.sleep(0.5)
     lp.stop()
     return {"query_ms": percentiles(ms), "bulk_alone_per_s": alone, "bulk_with_queries_per_s": with_q}

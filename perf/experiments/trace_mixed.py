@@ -22,44 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_models"))
 from anatomy import device_events, union_us  # noqa: E402
+from bench_lanes import BulkFeed, query_caller, request  # noqa: E402
 from common import model_folder, parse_variants, percentiles, write_result  # noqa: E402
 
 from pergola.config import EngineConfig  # noqa: E402
-from pergola.engine import EncodeRequest, Engine  # noqa: E402
-from pergola.engine.loop import EncodeLoop, Job  # noqa: E402
-
-def request(rng: np.random.Generator, n: int, length: int) -> EncodeRequest:
-    return EncodeRequest(rng.integers(100, 30000, n * length).astype(np.int64), np.full(n, length, np.int32))
-
-
-class BulkFeed(threading.Thread):
-    """Keeps `depth` bulk requests queued on the loop; counts the texts answered."""
-
-    def __init__(self, loop: EncodeLoop, req: EncodeRequest, depth: int = 4) -> None:
-        super().__init__(daemon=True)
-        self.loop, self.req = loop, req
-        self.slots = threading.Semaphore(depth)
-        self.stop = threading.Event()
-        self.texts = 0
-
-    def done(self, result: np.ndarray) -> None:
-        self.texts += result.shape[0]
-        self.slots.release()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            if self.slots.acquire(timeout=0.1):
-                self.loop.submit(Job(self.req, deliver=self.done, fail=lambda e: self.slots.release()))
+from pergola.engine import Engine  # noqa: E402
+from pergola.engine.loop import EncodeLoop  # noqa: E402
 
 
 def device_timeline(events: list[dict]) -> dict:
@@ -99,20 +75,9 @@ def main() -> None:
     options = parse_variants(["x:" + ",".join(args.option)])["x"]
     folder = model_folder("qwen3-0.6b", Path(args.workdir))
     engine = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", dtype="bfloat16", **options))
-    rng = np.random.default_rng(0)
-    bulk_req, query = request(rng, 100, 512), request(rng, 1, 128)
+    bulk_req, query = request(100, 512), request(1, 128)
     loop = EncodeLoop(engine)
-    answered = threading.Event()
-
-    def query_once() -> float:
-        answered.clear()
-        t0 = time.perf_counter()
-        loop.submit(Job(query, deliver=lambda r: answered.set(), fail=lambda e: answered.set()))
-        answered.wait()
-        return (time.perf_counter() - t0) * 1e3
-
-    for _ in range(3):  # the query lane's graph key: warm-up, capture, replay
-        query_once()
+    query_once = query_caller(loop, query)
     feed = BulkFeed(loop, bulk_req)
     feed.start()
     time.sleep(3.0)  # the bulk shapes' first steps, and a steady pipeline

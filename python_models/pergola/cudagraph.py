@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -46,10 +47,27 @@ def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple |
         stream = _capture_streams[device] = torch.cuda.Stream()
     warm_blas(stream)
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), whole_gpu():
         graph.capture_begin(*(() if pool is None else (pool,)))
         try:
             fn()
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
+
+
+@contextmanager
+def whole_gpu():
+    """No SM carveout while capturing: the kernels a graph records (cuBLAS's choice for its SM
+    target, the persistent tiles' grid) are replayed for good, so they are chosen for every SM,
+    not for the margin the encode loop leaves to queries at that moment (query_sm_margin)."""
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    carveout = get() if get is not None else None
+    if carveout is None:
+        yield
+        return
+    torch._C._set_sm_carveout_experimental(None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout)
