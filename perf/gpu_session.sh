@@ -7,7 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab
+#                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -178,6 +178,8 @@ for step in "$@"; do
       run profile_fold python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid
       run profile_nofold python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid \
         --option fold_norms=False ;;
+    kernels)  # the kernels and GPU busy time of one batch-1 128-token forward, as shipped (~20 s)
+      run profile_1x128 python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid ;;
     recheck)  # the tests the whole suite failed on the GPU at 05e666b, after their changes (~5 minutes)
       PERGOLA_TEST_DEVICE=gpu run pytest_recheck python3 -m pytest -q -ra \
         tests/test_bge_m3.py tests/test_hub.py tests/test_overload.py tests/test_properties.py tests/test_fuzz.py \
@@ -226,7 +228,7 @@ for step in "$@"; do
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
          "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams lanes_loop trace_mixed fold_ab batch1 adapter fp8)" >&2
+         "streams lanes_loop trace_mixed fold_ab kernels batch1 adapter fp8)" >&2
        exit 2 ;;
   esac
 done
