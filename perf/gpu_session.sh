@@ -55,9 +55,10 @@ for step in "$@"; do
       run attn_layout python3 perf/experiments/bench_attn_layout.py --shapes 4x4096 8x2048 16x1024 32x512 --out "$OUT/attn_layout.json" ;;
     anatomy)  # host vs GPU-busy time per call and kernel time by kind; start-up phases
       run anatomy python3 perf/anatomy.py --shapes 1x128 1x512 100x512 100x1024 100x4096 --out "$OUT/anatomy.json" ;;
-    gputests)  # the GPU-marked engine tests only (kernels, probe, graphs), a few minutes
+    gputests)  # the GPU-marked engine tests only (kernels, probe, graphs, the query lane), a few minutes
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py tests/test_attention_backends.py tests/test_packing.py \
-        tests/test_attention_probe.py ;;
+        tests/test_attention_probe.py
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu ;;
     tests)  # the whole suite with the test server's encoders on the GPU, plus the gpu-marked tests
       # (the soak runs in the `hardening` step, on the Qwen3 shape, to fit the 10-minute command)
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests --deselect tests/test_soak.py ;;
