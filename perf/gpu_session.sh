@@ -94,10 +94,11 @@ for step in "$@"; do
         --out "$OUT/trace_stream16.json" ;;
     lanes_loop)  # in process, no server: the encode loop's query latency and bulk kept under 100 x 512 and
       # 25 x 4,096, one stream (the default) against the queries' own stream with 0, 8, 16 or 32 SMs left
-      # to them (~4 minutes)
+      # to them by the bulk matmuls, or 8 or 16 SMs of a green-context split (~5 minutes)
       run lanes_loop python3 perf/experiments/bench_lanes.py -n 300 --seconds 6 --loop-variant \
         stream0:query_stream=1 stream8:query_stream=1,query_sm_margin=8 \
         stream16:query_stream=1,query_sm_margin=16 stream32:query_stream=1,query_sm_margin=32 \
+        green8:query_stream=1,query_green_sms=8 green16:query_stream=1,query_green_sms=16 \
         --out "$OUT/lanes_loop.json" ;;
     streams)  # queries on a stream of their own (--query-stream) against one stream (the default): the lane's
       # GPU test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms

@@ -126,3 +126,13 @@ def test_the_sm_margin_for_queries_needs_their_own_stream():
     with pytest.raises(ValueError, match="query_sm_margin must be 0"):
         EngineConfig(model_dir="/m", query_stream=True, query_sm_margin=-1)
     assert EngineConfig(model_dir="/m", query_stream=True, query_sm_margin=8).query_sm_margin == 8
+
+
+def test_green_contexts_for_queries_need_their_own_stream_and_exclude_the_margin():
+    with pytest.raises(ValueError, match="query_green_sms .* needs query_stream"):
+        EngineConfig(model_dir="/m", query_green_sms=8)
+    with pytest.raises(ValueError, match="query_green_sms must be 0"):
+        EngineConfig(model_dir="/m", query_stream=True, query_green_sms=-8)
+    with pytest.raises(ValueError, match="set one"):
+        EngineConfig(model_dir="/m", query_stream=True, query_green_sms=8, query_sm_margin=8)
+    assert EngineConfig(model_dir="/m", query_stream=True, query_green_sms=8).query_green_sms == 8

@@ -313,20 +313,25 @@ def test_graphs_are_captured_for_every_sm_whatever_margin_queries_hold():
 
 # --- on a GPU: the query lane's own buffers and graphs, beside or between eager layers ----------
 @pytest.mark.gpu
-@pytest.mark.parametrize("own_stream,margin", [(True, 0), (True, 16), (False, 0)],
-                         ids=["own-stream", "own-stream-sm-margin", "one-stream"])
-def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_factory, own_stream, margin):
+@pytest.mark.parametrize("own_stream,margin,green", [(True, 0, 0), (True, 16, 0), (False, 0, 0), (True, 0, 8)],
+                         ids=["own-stream", "own-stream-sm-margin", "one-stream", "green-contexts"])
+def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_factory, own_stream, margin, green):
     """Qwen3-0.6B shape, bulk steps of 16k tokens (eager, hooked), queries on lane 1 (graphs
     captured and replayed from inside the hook), on a stream of their own at high priority (with
-    the bulk matmuls leaving SMs free, or not) or in turn with the bulk layers on one stream: each
-    query is delivered before the bulk request, and every result equals its lone computation on lane 0."""
+    the bulk matmuls leaving SMs free, or the GPU split in two green contexts, or neither) or in
+    turn with the bulk layers on one stream: each query is delivered before the bulk request, and
+    every result equals its lone computation on lane 0."""
     from conftest import qwen3_folders_or_skip
 
     folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("lane-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
     eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", query_stream=own_stream,
-                              query_sm_margin=margin))
+                              query_sm_margin=margin, query_green_sms=green))
     assert len(eng.runner.lanes) == 2 and eng.runner.query_lane == 1
-    assert (eng.runner.lanes[1].stream is not None) == own_stream and eng.runner.lanes[0].stream is None
+    assert (eng.runner.lanes[1].stream is not None) == own_stream
+    split = eng.runner.sm_split
+    assert (split is not None) == bool(green) and (eng.runner.lanes[0].stream is not None) == bool(green)
+    if green:
+        assert split.query_sms >= green and split.query_sms + split.bulk_sms <= torch.cuda.get_device_properties(0).multi_processor_count
     if own_stream:
         low, high = torch.cuda.Stream.priority_range()
         assert eng.runner.lanes[1].stream.priority == high < low
@@ -366,7 +371,11 @@ def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_fac
         loop.stop()
         eng.runner.layer_hook = hook
     carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)()
-    assert carveout in (None, 0)  # the SMs are given back when the loop ends
+    if green:  # the bulk's matmuls sized for its green context, for good
+        assert carveout == torch.cuda.get_device_properties(0).multi_processor_count - split.bulk_sms
+        torch._C._set_sm_carveout_experimental(None)
+    else:
+        assert carveout in (None, 0)  # the SMs are given back when the loop ends
     assert order[-1] == "bulk", order
     assert eng.runner.lanes[1].graphs.stats.replays > 0
     assert cosine_rows(got["bulk"], alone_bulk).min() >= 0.9999
@@ -395,3 +404,15 @@ def test_a_failing_idle_callback_does_not_end_the_loop(engine):
     finally:
         loop.stop()
     np.testing.assert_allclose(got[0], engine.encode([query])[0], atol=1e-5)
+
+
+def test_green_contexts_without_cuda_bindings_say_what_to_install(monkeypatch):
+    """The split needs the driver's green-context calls (NVIDIA's cuda-bindings), which PyTorch's
+    wheels do not require: a missing package is named before any CUDA call is made."""
+    import sys
+
+    from pergola.engine.green import split_sms
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(RuntimeError, match="pip install cuda-bindings"):
+        split_sms(torch.device("cuda:0"), 8)

@@ -229,6 +229,8 @@ def loop_variants(cfg: dict, variants: dict[str, dict], n: int, seconds: float) 
             print(r, flush=True)
         del engine
         torch.cuda.empty_cache()
+        if hasattr(torch._C, "_set_sm_carveout_experimental"):
+            torch._C._set_sm_carveout_experimental(None)  # a green split's carveout is set for the process
     return {"runs": runs}
 
 

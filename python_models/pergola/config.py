@@ -54,6 +54,12 @@ class EngineConfig:
                                      "carveout), so that a query's kernels find SMs free instead of waiting for "
                                      "a persistent matmul to end; "
                                      "not measured on a GPU yet (`bash perf/gpu_session.sh streams`)")
+    query_green_sms: int = option(0, "GPU, experimental, with query_stream: split the GPU with CUDA green contexts, "
+                                     "queries' steps on this many SMs of their own (rounded up to the GPU's "
+                                     "granularity, 8 on Hopper) and bulk steps on the rest, a split every kernel "
+                                     "honours (query_sm_margin's binds the matmuls only); the bulk work loses those "
+                                     "SMs also when no query comes. Needs NVIDIA's cuda-bindings; not measured on a "
+                                     "GPU yet (`bash perf/gpu_session.sh lanes_loop`)")
     query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
                                        "tokens (at most query_tokens). Bulk work then loses less to queries (88% "
                                        "of its throughput kept instead of 83% at 2,048, H200, 100 x 512 tokens) "
@@ -130,11 +136,14 @@ class EngineConfig:
         for name in ("query_tokens", "query_fill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
-        if self.query_sm_margin < 0:
-            raise ValueError(f"query_sm_margin must be 0 (off) or positive, got {self.query_sm_margin}")
-        if self.query_sm_margin and not (self.query_stream and self.query_tokens):
-            raise ValueError("query_sm_margin leaves SMs to queries on their own stream: it needs query_stream "
-                             "and query_tokens")
+        for name in ("query_sm_margin", "query_green_sms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
+            if getattr(self, name) and not (self.query_stream and self.query_tokens):
+                raise ValueError(f"{name} leaves SMs to queries on their own stream: it needs query_stream "
+                                 "and query_tokens")
+        if self.query_sm_margin and self.query_green_sms:
+            raise ValueError("query_sm_margin and query_green_sms are two ways to leave SMs to queries; set one")
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
         for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",

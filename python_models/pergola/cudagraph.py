@@ -33,18 +33,21 @@ def warm_blas(stream: torch.cuda.Stream) -> None:
     done.add(stream.cuda_stream)
 
 
-def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple | None = None) -> None:
-    """Record fn()'s kernels into `graph` on a side stream (capture is illegal on the default one).
+def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple | None = None,
+            stream: torch.cuda.Stream | None = None) -> None:
+    """Record fn()'s kernels into `graph` on a side stream (capture is illegal on the default one),
+    or on `stream` (a green context's: engine/green.py).
 
     Unlike `torch.cuda.graph`, this skips the housekeeping before every capture: a device-wide
     synchronize and emptying the CUDA and pinned-host caches (plus gc.collect() on some torch
     versions). A probe that captures ~20 small graphs at start-up, or a lazy capture mid-serving,
     would pay that each time and re-allocate everything afterwards.
     """
-    device = torch.cuda.current_device()
-    stream = _capture_streams.get(device)
     if stream is None:
-        stream = _capture_streams[device] = torch.cuda.Stream()
+        device = torch.cuda.current_device()
+        stream = _capture_streams.get(device)
+        if stream is None:
+            stream = _capture_streams[device] = torch.cuda.Stream()
     warm_blas(stream)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), whole_gpu():

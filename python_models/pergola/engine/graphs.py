@@ -69,6 +69,9 @@ class GraphCache:
         self.seen: set[tuple[int, int]] = set()
         self.uncapturable: set[tuple[int, int]] = set()  # keys whose capture failed: eager from then on
         self.stats = GraphStats()
+        # Where captures run; None: a side stream of the primary context. A green context's lane
+        # captures on its own stream, since a captured kernel keeps the context it was captured in.
+        self.stream: torch.cuda.Stream | None = None
 
     def key_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """Bucket key, or None when the step should run eagerly (over the crossover)."""
@@ -96,7 +99,7 @@ class GraphCache:
             return "warmup"
         graph = torch.cuda.CUDAGraph()
         try:
-            capture(graph, lambda: self.forward(*key), self.pool)
+            capture(graph, lambda: self.forward(*key), self.pool, self.stream)
         except Exception as e:  # noqa: BLE001 - computed eagerly instead; a poisoned device fails there
             self.uncapturable.add(key)
             self.stats.failed_captures += 1

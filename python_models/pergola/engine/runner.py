@@ -21,6 +21,7 @@ import torch
 
 from pergola.config import DTYPES, EngineConfig
 from pergola.engine.graphs import GraphCache
+from pergola.engine.green import SmSplit, split_sms
 from pergola.engine.lazy import LazyTensor
 from pergola.heads import HEAD_TASKS
 from pergola.hf_folder import ModelSpec
@@ -131,7 +132,8 @@ class Lane:
     between the layers of a lane-0 step in flight (engine/loop.py), so it must not touch lane 0's
     buffers. With `query_stream` lane 1 has a CUDA stream of its own at the highest priority:
     its kernels run beside the bulk step's, taking SMs as the bulk kernels' blocks finish,
-    instead of after them; without it both lanes share the current stream."""
+    instead of after them; without it both lanes share the current stream. With `query_green_sms`
+    each lane's stream lies in a green context of its own SMs (engine/green.py)."""
 
     buffers: StaticBuffers
     graphs: GraphCache | None
@@ -178,6 +180,8 @@ class ModelRunner:
         self.layer_hook: Callable[[], None] | None = None  # called between the layers of hooked eager steps
         self._hook_armed = self._in_hook = False
         self._plain_results: list[torch.Tensor] = []  # a GPU without lanes (padded backends): pinned results
+        # query_green_sms: the lanes' streams in green contexts of their own (engine/green.py).
+        self.sm_split = self._split_sms() if device.type == "cuda" and cfg.query_green_sms else None
         if device.type == "cuda" and not self.attn.needs_padding:
             self.lanes.append(self._lane(max(cfg.step_tokens, spec.max_seq_length), 0))
             if cfg.query_tokens:
@@ -199,10 +203,29 @@ class ModelRunner:
         # Two pinned result buffers: step N+1's result lands in one while step N's is read.
         results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
         stream = None
-        if index > 0 and self.cfg.query_stream:
+        if self.sm_split is not None:
+            stream = self.sm_split.query if index else self.sm_split.bulk
+        elif index > 0 and self.cfg.query_stream:
             _, highest = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers win
             stream = torch.cuda.Stream(self.device, priority=highest)
+        if graphs is not None and self.sm_split is not None:
+            graphs.stream = stream  # captured in the lane's green context: a graph's kernels keep their context
         return Lane(buffers, graphs, results, {}, stream)
+
+    def _split_sms(self) -> SmSplit:
+        """The green-context split, with the bulk's matmuls sized for its SMs: cuBLAS and the persistent
+        Triton tiles size their grids by the SM count, and a grid for every SM on fewer SMs runs a
+        second, mostly empty wave (PyTorch's SM carveout, process-wide; lifted while graphs are captured)."""
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise RuntimeError(f"query_green_sms sizes the bulk matmuls with PyTorch's SM carveout, which torch "
+                               f"{torch.__version__} lacks (torch._C._set_sm_carveout_experimental); set it to 0")
+        split = split_sms(self.device, self.cfg.query_green_sms)
+        total = torch.cuda.get_device_properties(self.device).multi_processor_count
+        torch._C._set_sm_carveout_experimental(total - split.bulk_sms)
+        torch.cuda.synchronize(self.device)  # the weights, copied on the default stream, before other streams read them
+        log.info("SMs split with green contexts: %d for queries, %d for bulk steps (of %d)", split.query_sms,
+                 split.bulk_sms, total)
+        return split
 
     def _between_layers_hooks(self) -> None:
         """Call `layer_hook` after each transformer layer of an armed (lane-0 eager) step: the
