@@ -103,14 +103,17 @@ for step in "$@"; do
     streams)  # queries on a stream of their own (--query-stream) against one stream (the default): the lane's
       # GPU test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms
       # apart): one stream, then the own stream with the bulk matmuls leaving 8, 16 or 32 SMs free while
-      # queries are about (--query-sm-margin; without a margin a query waited 14.8 ms in process), ~1 min each
+      # queries are about (--query-sm-margin; without a margin a query waited 14.8 ms in process), then
+      # the GPU split by green contexts, 8 SMs for queries (--query-green-sms), ~1 min each
       PERGOLA_TEST_DEVICE=gpu run pytest_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
       run mixed_one_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
         --out "$OUT/mixed_one_stream.json"
       for margin in 8 16 32; do
         run "mixed_stream_margin$margin" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --option query_stream=True --option "query_sm_margin=$margin" --out "$OUT/mixed_stream_margin$margin.json"
-      done ;;
+      done
+      run mixed_green8 python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
+        --option query_stream=True --option query_green_sms=8 --out "$OUT/mixed_green8.json" ;;
     mixed_fill)  # bulk kept and query latency against the fill of a query's step (query_fill_tokens):
       # one bulk sequence of 512 or two ride along with the query, 100 x 512, ~1 min each
       for fill in 640 1152; do
