@@ -7,7 +7,7 @@
 #                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels fp8tests
+#                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -199,6 +199,8 @@ for step in "$@"; do
     adapter)  # where a batch-1 request's time goes between the gRPC client and the engine (Triton's trace)
       run adapter python3 perf/bench_adapter.py --model qwen3-0.6b --device gpu -n 500 --outputs EMBEDDING \
         --out "$OUT/adapter_gpu.json" ;;
+    lanetests)  # the query lane's GPU tests alone: one stream, own stream, SM margin, green contexts (~2 minutes)
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu ;;
     fp8tests)  # FP8's GPU tests alone (~1 minute)
       PERGOLA_TEST_DEVICE=gpu run pytest_fp8 python3 -m pytest -q -rs tests/test_fp8.py ;;
     fp8)  # FP8: its GPU tests, fidelity against BF16, engine throughput against BF16, a few minutes
@@ -235,7 +237,7 @@ for step in "$@"; do
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
          "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams lanes_loop trace_mixed fold_ab kernels batch1 adapter fp8 fp8tests)" >&2
+         "streams lanes_loop trace_mixed fold_ab kernels batch1 adapter fp8 fp8tests lanetests)" >&2
        exit 2 ;;
   esac
 done
