@@ -180,9 +180,10 @@ class ModelRunner:
         self.layer_hook: Callable[[], None] | None = None  # called between the layers of hooked eager steps
         self._hook_armed = self._in_hook = False
         self._plain_results: list[torch.Tensor] = []  # a GPU without lanes (padded backends): pinned results
+        use_lanes = device.type == "cuda" and not self.attn.needs_padding
         # query_green_sms: the lanes' streams in green contexts of their own (engine/green.py).
-        self.sm_split = self._split_sms() if device.type == "cuda" and cfg.query_green_sms else None
-        if device.type == "cuda" and not self.attn.needs_padding:
+        self.sm_split = self._split_sms() if use_lanes and cfg.query_green_sms else None
+        if use_lanes:
             self.lanes.append(self._lane(max(cfg.step_tokens, spec.max_seq_length), 0))
             if cfg.query_tokens:
                 self.lanes.append(self._lane(min(cfg.query_tokens, self.lanes[0].buffers.max_tokens), 1))
