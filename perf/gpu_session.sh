@@ -28,6 +28,10 @@ run() {  # NAME COMMAND...: echo, run, keep the log, never stop the remaining st
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
 }
 
+lane_tests() {  # the query lane's GPU tests: one stream, own stream, SM margin, green contexts
+  PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
+}
+
 archs_perf() {  # MODEL TAG: pergola's server suites, then vLLM 0.22's inproc + server suites, on one seeded
   # folder (perf/common.py's ARCH_MODELS, published shape, BF16) built once in a shared workdir
   local model=$1 tag=$2 workdir=/tmp/pergola-archs
@@ -58,7 +62,7 @@ for step in "$@"; do
     gputests)  # the GPU-marked engine tests only (kernels, probe, graphs, the query lane), a few minutes
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py tests/test_attention_backends.py tests/test_packing.py \
         tests/test_attention_probe.py
-      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu ;;
+      lane_tests ;;
     tests)  # the whole suite with the test server's encoders on the GPU, plus the gpu-marked tests
       # (the soak runs in the `hardening` step, on the Qwen3 shape, to fit the 10-minute command)
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu python3 -m pytest -q -ra tests --deselect tests/test_soak.py ;;
@@ -200,7 +204,7 @@ for step in "$@"; do
       run adapter python3 perf/bench_adapter.py --model qwen3-0.6b --device gpu -n 500 --outputs EMBEDDING \
         --out "$OUT/adapter_gpu.json" ;;
     lanetests)  # the query lane's GPU tests alone: one stream, own stream, SM margin, green contexts (~2 minutes)
-      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu ;;
+      lane_tests ;;
     fp8tests)  # FP8's GPU tests alone (~1 minute)
       PERGOLA_TEST_DEVICE=gpu run pytest_fp8 python3 -m pytest -q -rs tests/test_fp8.py ;;
     fp8)  # FP8: its GPU tests, fidelity against BF16, engine throughput against BF16, a few minutes
