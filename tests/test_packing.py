@@ -221,7 +221,7 @@ def test_a_failed_capture_leaves_its_bucket_eager(monkeypatch, caplog):
     calls: list[tuple[int, int]] = []
     captures: list[tuple[int, int]] = []
 
-    def failing_capture(graph, fn, pool=None, stream=None):
+    def failing_capture(graph, fn, pool=None, stream=None, carveout=None):
         captures.append(key)
         raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 

@@ -295,19 +295,23 @@ def test_with_their_own_stream_queries_are_launched_and_answered_while_a_bulk_la
 
 
 @pytest.mark.skipif(not hasattr(torch._C, "_set_sm_carveout_experimental"), reason="this PyTorch has no SM carveout")
-def test_graphs_are_captured_for_every_sm_whatever_margin_queries_hold():
+def test_graphs_are_captured_for_the_sms_they_will_run_on_whatever_margin_queries_hold():
     """A captured graph replays the kernels chosen at capture for good: the SM margin the loop
-    leaves to queries at that moment must not be recorded into it (cudagraph.whole_gpu)."""
-    from pergola.cudagraph import whole_gpu
+    leaves to queries at that moment must not be recorded into it (cudagraph.sm_carveout(None)),
+    while a green context's lane records the carveout of its own SMs."""
+    from pergola.cudagraph import sm_carveout
 
     torch._C._set_sm_carveout_experimental(16)
     try:
-        with whole_gpu():
+        with sm_carveout(None):
             assert torch._C._get_sm_carveout_experimental() is None
         assert torch._C._get_sm_carveout_experimental() == 16  # the loop's margin, back after the capture
+        with sm_carveout(124):  # a lane of 8 SMs on a 132-SM GPU
+            assert torch._C._get_sm_carveout_experimental() == 124
+        assert torch._C._get_sm_carveout_experimental() == 16
     finally:
         torch._C._set_sm_carveout_experimental(None)
-    with whole_gpu():  # no margin: nothing to lift
+    with sm_carveout(None):  # no margin: nothing to lift
         assert torch._C._get_sm_carveout_experimental() is None
 
 
@@ -331,7 +335,8 @@ def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_fac
     split = eng.runner.sm_split
     assert (split is not None) == bool(green) and (eng.runner.lanes[0].stream is not None) == bool(green)
     if green:
-        assert split.query_sms >= green and split.query_sms + split.bulk_sms <= torch.cuda.get_device_properties(0).multi_processor_count
+        assert split.query_sms >= green and split.query_sms + split.bulk_sms <= split.total_sms
+        assert [lane.graphs.carveout for lane in eng.runner.lanes] == [split.carveout(False), split.carveout(True)]
     if own_stream:
         low, high = torch.cuda.Stream.priority_range()
         assert eng.runner.lanes[1].stream.priority == high < low
@@ -372,7 +377,7 @@ def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_fac
         eng.runner.layer_hook = hook
     carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)()
     if green:  # the bulk's matmuls sized for its green context, for good
-        assert carveout == torch.cuda.get_device_properties(0).multi_processor_count - split.bulk_sms
+        assert carveout == split.carveout(query=False)
         torch._C._set_sm_carveout_experimental(None)
     else:
         assert carveout in (None, 0)  # the SMs are given back when the loop ends

@@ -34,9 +34,10 @@ def warm_blas(stream: torch.cuda.Stream) -> None:
 
 
 def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple | None = None,
-            stream: torch.cuda.Stream | None = None) -> None:
+            stream: torch.cuda.Stream | None = None, carveout: int | None = None) -> None:
     """Record fn()'s kernels into `graph` on a side stream (capture is illegal on the default one),
-    or on `stream` (a green context's: engine/green.py).
+    or on `stream` (a green context's: engine/green.py), sized for every SM or, with `carveout`,
+    for that many fewer (a green context's lane: the SMs outside it).
 
     Unlike `torch.cuda.graph`, this skips the housekeeping before every capture: a device-wide
     synchronize and emptying the CUDA and pinned-host caches (plus gc.collect() on some torch
@@ -50,7 +51,7 @@ def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple |
             stream = _capture_streams[device] = torch.cuda.Stream()
     warm_blas(stream)
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), whole_gpu():
+    with torch.cuda.stream(stream), sm_carveout(carveout):
         graph.capture_begin(*(() if pool is None else (pool,)))
         try:
             fn()
@@ -60,17 +61,18 @@ def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple |
 
 
 @contextmanager
-def whole_gpu():
-    """No SM carveout while capturing: the kernels a graph records (cuBLAS's choice for its SM
-    target, the persistent tiles' grid) are replayed for good, so they are chosen for every SM,
-    not for the margin the encode loop leaves to queries at that moment (query_sm_margin)."""
+def sm_carveout(carveout: int | None):
+    """The SM carveout a capture runs under: the kernels a graph records (cuBLAS's choice for its
+    SM target, the persistent tiles' grid) are replayed for good, so they are chosen for the SMs
+    the graph will always run on — every SM (None), not the margin the encode loop leaves to
+    queries at that moment (query_sm_margin), or its green context's (query_green_sms)."""
     get = getattr(torch._C, "_get_sm_carveout_experimental", None)
-    carveout = get() if get is not None else None
-    if carveout is None:
+    before = get() if get is not None else None
+    if before == carveout:
         yield
         return
-    torch._C._set_sm_carveout_experimental(None)
+    torch._C._set_sm_carveout_experimental(carveout)
     try:
         yield
     finally:
-        torch._C._set_sm_carveout_experimental(carveout)
+        torch._C._set_sm_carveout_experimental(before)

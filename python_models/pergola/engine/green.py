@@ -27,7 +27,12 @@ class SmSplit:
     bulk: torch.cuda.Stream
     query_sms: int  # as granted: the driver rounds a request up to its granularity (8 on Hopper)
     bulk_sms: int  # what is left (SMs of incomplete clusters may be left out)
+    total_sms: int  # the device's
     contexts: tuple  # the CUgreenCtx handles, kept for the life of the process
+
+    def carveout(self, query: bool) -> int:
+        """SMs outside the queries' (or the bulk's) context: what its kernels' grids leave out."""
+        return self.total_sms - (self.query_sms if query else self.bulk_sms)
 
 
 def split_sms(device: torch.device, query_sms: int) -> SmSplit:
@@ -63,4 +68,5 @@ def split_sms(device: torch.device, query_sms: int) -> SmSplit:
             ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, priority))
         streams.append(torch.cuda.get_stream_from_external(int(stream), device))
         contexts.append(ctx)
-    return SmSplit(streams[0], streams[1], int(groups[0].sm.smCount), int(rest.sm.smCount), tuple(contexts))
+    return SmSplit(streams[0], streams[1], int(groups[0].sm.smCount), int(rest.sm.smCount), int(whole.sm.smCount),
+                   tuple(contexts))

@@ -195,37 +195,36 @@ class ModelRunner:
     def _lane(self, max_tokens: int, index: int) -> Lane:
         max_seqs = self.cfg.max_batch_seqs + 1  # + the padding sequence
         buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, self.device, self.token_width)
-        graphs = None
-        # Graphs only where every graph-step kernel declares itself graph-safe.
-        graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
-        if graph_safe and not self.cfg.enforce_eager and self.cfg.cuda_graph_max_tokens > 0:
-            graphs = GraphCache(partial(self._static_forward, index), min(self.cfg.cuda_graph_max_tokens, max_tokens),
-                                max_seqs)
-        # Two pinned result buffers: step N+1's result lands in one while step N's is read.
-        results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
-        stream = None
+        stream = carveout = None
         if self.sm_split is not None:
-            stream = self.sm_split.query if index else self.sm_split.bulk
+            stream, carveout = self.sm_split.query if index else self.sm_split.bulk, self.sm_split.carveout(index > 0)
         elif index > 0 and self.cfg.query_stream:
             _, highest = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers win
             stream = torch.cuda.Stream(self.device, priority=highest)
-        if graphs is not None and self.sm_split is not None:
-            graphs.stream = stream  # captured in the lane's green context: a graph's kernels keep their context
+        graphs = None
+        # Graphs only where every graph-step kernel declares itself graph-safe. A green context's lane
+        # captures on its own stream (a captured kernel keeps its context), sized for its SMs.
+        graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
+        if graph_safe and not self.cfg.enforce_eager and self.cfg.cuda_graph_max_tokens > 0:
+            graphs = GraphCache(partial(self._static_forward, index), min(self.cfg.cuda_graph_max_tokens, max_tokens),
+                                max_seqs, stream if self.sm_split is not None else None, carveout)
+        # Two pinned result buffers: step N+1's result lands in one while step N's is read.
+        results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
         return Lane(buffers, graphs, results, {}, stream)
 
     def _split_sms(self) -> SmSplit:
         """The green-context split, with the bulk's matmuls sized for its SMs: cuBLAS and the persistent
         Triton tiles size their grids by the SM count, and a grid for every SM on fewer SMs runs a
-        second, mostly empty wave (PyTorch's SM carveout, process-wide; lifted while graphs are captured)."""
+        second, mostly empty wave (PyTorch's SM carveout, process-wide; each lane's graphs are captured
+        with its own context's, GraphCache.carveout)."""
         if not hasattr(torch._C, "_set_sm_carveout_experimental"):
             raise RuntimeError(f"query_green_sms sizes the bulk matmuls with PyTorch's SM carveout, which torch "
                                f"{torch.__version__} lacks (torch._C._set_sm_carveout_experimental); set it to 0")
         split = split_sms(self.device, self.cfg.query_green_sms)
-        total = torch.cuda.get_device_properties(self.device).multi_processor_count
-        torch._C._set_sm_carveout_experimental(total - split.bulk_sms)
+        torch._C._set_sm_carveout_experimental(split.carveout(query=False))
         torch.cuda.synchronize(self.device)  # the weights, copied on the default stream, before other streams read them
         log.info("SMs split with green contexts: %d for queries, %d for bulk steps (of %d)", split.query_sms,
-                 split.bulk_sms, total)
+                 split.bulk_sms, split.total_sms)
         return split
 
     def _between_layers_hooks(self) -> None:
