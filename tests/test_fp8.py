@@ -266,15 +266,16 @@ def gpu_embed(engine, texts: list[str]) -> np.ndarray:
     return finish(engine.encode([EncodeRequest(enc.input_ids, enc.lengths)])[0], 0, engine.spec.normalize)
 
 
-def fp8_against_bf16(folder, min_cosine: float = 0.995) -> None:
-    """FP8 within `min_cosine` of BF16 per text; graphs equal eager; batched equals single (1e-3)."""
+def fp8_against_bf16(folder, min_cosine: float = 0.995, bf16_layers: int = 1, single_atol: float = 1e-3) -> None:
+    """FP8 within `min_cosine` of BF16 per text; graphs equal eager (1e-3); batched equals single
+    (`single_atol`)."""
     from pergola.engine import Engine
 
     bf16 = gpu_embed(Engine(EngineConfig(model_dir=str(folder), device="cuda")), TEXTS)
     # One attention kernel for graphs and eager steps: FP8 rounding turns the last-bit differences
     # between two kernels into ~1e-2 (MiniLM, the probe's Triton kernel in graphs vs eager FA2).
     same = dict(model_dir=str(folder), device="cuda", quantization="fp8", attention_backend="torch_flash",
-                eager_attention_backend="torch_flash")
+                eager_attention_backend="torch_flash", fp8_bf16_layers=bf16_layers)
     graphed = Engine(EngineConfig(**same))
     eager = gpu_embed(Engine(EngineConfig(**same, enforce_eager=True)), TEXTS)
     assert cosine_rows(eager, bf16).min() >= min_cosine
@@ -285,7 +286,7 @@ def fp8_against_bf16(folder, min_cosine: float = 0.995) -> None:
         assert np.abs(out - eager).max() <= 1e-3
     assert modes == ["warmup", "capture", "replay"]
     single = np.concatenate([gpu_embed(graphed, [t]) for t in TEXTS])
-    assert np.abs(single - eager).max() <= 1e-3
+    assert np.abs(single - eager).max() <= single_atol
 
 
 @pytest.mark.gpu
@@ -293,9 +294,14 @@ def test_minilm_fp8_against_bf16_on_gpu(minilm_folder):
     fp8_against_bf16(minilm_folder, min_cosine=0.99)  # at the 0.995 bound on the CPU (see above)
 
 
+# Batched against single: the FP8 products alone hold 1e-3 (every layer FP8, H200, 05e666b). The
+# default keeps the first and last layer in BF16, whose matmuls round differently at each step size
+# as every BF16 engine's do (tests/test_gpu.py holds those to 2e-2): 0.0096 over 28 layers on the H200
+# (perf/results/2026-12-06-dee4f3a/pytest_fp8.log), so the default takes the BF16 bound.
 @pytest.mark.gpu
-def test_qwen3_0_6b_fp8_against_bf16_on_gpu(tmp_path_factory):
-    """Measured on the H200: per-text cosine 0.9905-0.9937 against BF16 on TEXTS, under the
-    issue's 0.995 goal; the bound here guards against regressions, perf/fp8_fidelity.py reports."""
+@pytest.mark.parametrize("bf16_layers, single_atol", [(0, 1e-3), (1, 2e-2)], ids=["every layer fp8", "default"])
+def test_qwen3_0_6b_fp8_against_bf16_on_gpu(tmp_path_factory, bf16_layers, single_atol):
+    """Measured on the H200: per-text cosine 0.9905-0.9937 against BF16 on TEXTS (every layer FP8),
+    under the issue's 0.995 goal; the bound here guards against regressions, perf/fp8_fidelity.py reports."""
     folders = qwen3_folders_or_skip(tmp_path_factory.mktemp("qwen3-fp8"), "qwen3-0.6b", "bfloat16")
-    fp8_against_bf16(folders["causal-last"], min_cosine=0.985)
+    fp8_against_bf16(folders["causal-last"], min_cosine=0.985, bf16_layers=bf16_layers, single_atol=single_atol)
