@@ -54,8 +54,8 @@ class EngineConfig:
                                      "carveout), so that a query's kernels find SMs free instead of waiting for "
                                      "a persistent matmul to end. A margin of 8 kept 99.1% of the bulk under "
                                      "100 x 512 but the query took 15.1 ms p50 in process (H200; 2.9 ms in turn, "
-                                     "perf/RESULTS.md, mixed traffic): the query's kernels still queue behind the "
-                                     "bulk's attention and elementwise kernels")
+                                     "perf/RESULTS.md, mixed traffic): the bulk's attention and elementwise kernels "
+                                     "are not narrowed")
     query_green_sms: int = option(0, "GPU, experimental, with query_stream: split the GPU with CUDA green contexts, "
                                      "queries' steps on this many SMs of their own (rounded up to the GPU's "
                                      "granularity, 8 on Hopper) and bulk steps on the rest, a split every kernel "
