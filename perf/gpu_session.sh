@@ -8,6 +8,7 @@
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
 #                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests
+#                                              # fp8_profile
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -205,6 +206,10 @@ for step in "$@"; do
         --out "$OUT/adapter_gpu.json" ;;
     lanetests)  # the query lane's GPU tests alone: one stream, own stream, SM margin, green contexts (~2 minutes)
       lane_tests ;;
+    fp8_profile)  # where an FP8 step's time goes against BF16's: one 32 x 512-token step, kernels by time (~1 min)
+      run profile_32x512_bf16 python3 perf/profile_step.py --seqs 32 --length 512 --steps 3
+      run profile_32x512_fp8 python3 perf/profile_step.py --seqs 32 --length 512 --steps 3 \
+        --option quantization=fp8 ;;
     fp8tests)  # FP8's GPU tests alone (~1 minute)
       PERGOLA_TEST_DEVICE=gpu run pytest_fp8 python3 -m pytest -q -rs tests/test_fp8.py ;;
     fp8)  # FP8: its GPU tests, fidelity against BF16, engine throughput against BF16, a few minutes
@@ -241,7 +246,7 @@ for step in "$@"; do
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
          "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams lanes_loop trace_mixed fold_ab kernels batch1 adapter fp8 fp8tests lanetests)" >&2
+         "streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests fp8_profile)" >&2
        exit 2 ;;
   esac
 done
