@@ -9,8 +9,12 @@ TIMESTAMPS, every request) and the encoder's timing marks on (PERGOLA_ADAPTER_TI
 pergola/adapter_timing.py), then sends sequential batch-1 requests with tritonclient gRPC to
   floor     a trivial Python model with the encoder's inputs that answers a zero vector at once
             from execute(): Triton's own floor on this host, measured in the same run
-  floor_sender  the same, answered as the encoder answers: from a thread, through the request's
-            response sender, after execute() returned (the floor of that design)
+  floor_sender  the same, answered from a thread, through the request's response sender, after
+            execute() returned (the encoder's way for requests that go through its loop)
+  floor_batcher  floor (answered from execute(), as the encoder answers a lone query while idle)
+            behind the encoder's scheduling: Triton's dynamic batcher without a delay and an
+            instance of the encoder's kind (KIND_GPU on a GPU), so that what the batcher and
+            the instance kind cost on this host counts as Triton's, not as pergola's
   encoder   NAME_encoder, pre-tokenized INPUT_IDS (--length tokens, default 128)
   ensemble  the `embed` ensemble (tokenizer, then encoder) with a short text
 and reports, per model, the p50 of the client's round trip and of every span between
@@ -50,7 +54,8 @@ from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E4
 from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
 NAME, COMPARE = "bench", "compare"
-FLOOR, FLOOR_SENDER = "floor", "floor_sender"
+FLOOR, FLOOR_SENDER, FLOOR_BATCHER = "floor", "floor_sender", "floor_batcher"
+FLOORS = (FLOOR, FLOOR_SENDER, FLOOR_BATCHER)
 TEXT = "how do I sort a list of tuples by their second element in python?"
 TRITON_EVENTS = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
                  "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "GRPC_SEND_START",
@@ -66,8 +71,10 @@ input [
 output [ { name: "EMBEDDING" data_type: TYPE_FP32 dims: [ -1 ] } ]
 parameters { key: "DIM" value: { string_value: "%d" } }
 parameters { key: "SENDER" value: { string_value: "%d" } }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-"""
+instance_group [ { kind: %s count: 1 } ]
+%s"""
+# The encoder's batcher (ensemble_configs/encoder.pbtxt) without its queue policy, which is off by default.
+BATCHER = "dynamic_batching { max_queue_delay_microseconds: 0 }\n"
 FLOOR_MODEL = '''"""Triton's floor: read the inputs, answer a zero vector of the encoder's width, from
 execute() (SENDER 0), or as the encoder does (SENDER 1): a thread answers through the request's
 response sender after execute() returned."""
@@ -106,10 +113,11 @@ class TritonPythonModel:
 '''
 
 
-def write_floor_models(repo: Path, dim: int) -> None:
-    for name, sender in ((FLOOR, 0), (FLOOR_SENDER, 1)):
+def write_floor_models(repo: Path, dim: int, gpu: bool) -> None:
+    for name, sender, kind, batcher in ((FLOOR, 0, "KIND_CPU", ""), (FLOOR_SENDER, 1, "KIND_CPU", ""),
+                                        (FLOOR_BATCHER, 0, "KIND_GPU" if gpu else "KIND_CPU", BATCHER)):
         (repo / name / "1").mkdir(parents=True, exist_ok=True)
-        (repo / name / "config.pbtxt").write_text(FLOOR_CONFIG % (name, dim, sender))
+        (repo / name / "config.pbtxt").write_text(FLOOR_CONFIG % (name, dim, sender, kind, batcher))
         (repo / name / "1" / "model.py").write_text(FLOOR_MODEL)
 
 
@@ -294,7 +302,7 @@ def main() -> None:
                             gpu=args.device == "gpu")
     if args.compare:
         use_checkout(repo, COMPARE, Path(args.compare).resolve())
-    write_floor_models(repo, spec.hidden_size)
+    write_floor_models(repo, spec.hidden_size, gpu=args.device == "gpu")
     trace_file, marks_dir = workdir / "trace.json", workdir / "timing"
     for old in [trace_file, *marks_dir.glob("*.json")]:
         old.unlink(missing_ok=True)
@@ -316,7 +324,7 @@ def main() -> None:
         client = mod.InferenceServerClient(f"127.0.0.1:{opts.grpc_port}")
         tokens, text = token_inputs(mod, ids), text_inputs(mod, args.text)
         suffixes = {name: "" if name == NAME else "@compare" for name in names}
-        groups = [{"floor": (FLOOR, tokens, None)}, {"floor_sender": (FLOOR_SENDER, tokens, None)},
+        groups = [*({floor: (floor, tokens, None)} for floor in FLOORS),
                   {f"encoder{suffixes[n]}": (f"{n}_encoder", tokens, None) for n in names}]
         if args.outputs:
             groups.append({f"encoder_named{suffixes[n]}": (f"{n}_encoder", tokens, args.outputs) for n in names})
@@ -339,7 +347,7 @@ def main() -> None:
         attach_marks([t for t in traces if t["model"] == model], read_marks(marks_dir, model))
     for label, out in phases.items():
         window = out.pop("window_ns")
-        if label in (FLOOR, FLOOR_SENDER):
+        if label in FLOORS:
             models = [(label, False)]
         else:
             ensemble, encoder, step = labels[label]
@@ -347,7 +355,7 @@ def main() -> None:
             models.append((encoder, step))
         out["models"] = {model: timeline(in_window(traces, window, model, child)) for model, child in models}
         out["server_us"] = out["models"][models[0][0]].get("server_us")
-        if label not in (FLOOR, FLOOR_SENDER):
+        if label not in FLOORS:
             enc = in_window(traces, window, labels[label][1], labels[label][2])
             if enc:
                 out["pergola"] = pergola_split(enc)
@@ -358,7 +366,7 @@ def main() -> None:
     for label in [label for label in phases if label.startswith("encoder")]:
         enc = phases[label]
         engine_us = (enc.get("pergola") or {}).get("engine (step + copy back)")
-        for floor in (FLOOR, FLOOR_SENDER):
+        for floor in FLOORS:
             floor_us = phases[floor]["server_us"]
             if floor_us is None or engine_us is None or enc.get("server_us") is None:
                 continue
