@@ -76,8 +76,8 @@ instance_group [ { kind: %s count: 1 } ]
 # The encoder's batcher (ensemble_configs/encoder.pbtxt) without its queue policy, which is off by default.
 BATCHER = "dynamic_batching { max_queue_delay_microseconds: 0 }\n"
 FLOOR_MODEL = '''"""Triton's floor: read the inputs, answer a zero vector of the encoder's width, from
-execute() (SENDER 0), or as the encoder does (SENDER 1): a thread answers through the request's
-response sender after execute() returned."""
+execute() (SENDER 0, as the encoder answers a lone query while idle), or as its loop does
+(SENDER 1): a thread answers through the request's response sender after execute() returned."""
 import json
 import queue
 import threading

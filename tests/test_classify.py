@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TEST_DEVICE
+from conftest import BF16_ATOL, TEST_DEVICE
 from pergola.classify import ClassifyTokenizer
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
@@ -25,7 +25,7 @@ from pergola.testing import CLASSIFIER_LABELS, make_classifier_folder
 TEXTS = ["I loved every minute of it.", "The service was slow and the food was cold.", "北京是中国的首都。",
          "🚀 rockets and emoji", "words " * 700]  # the last is over the limit: cut at its end
 PAIRS = [("A man is eating.", "Someone eats food."), ("A cat sleeps.", "The stock market fell " * 200)]
-MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else 2e-2
+MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else BF16_ATOL
 TOPICS = ("news", 'say "hi"\\', "sports")  # quotes and a backslash travel through config.pbtxt
 LABELS = {"bert": list(CLASSIFIER_LABELS), "xlmr": list(TOPICS)}
 

@@ -13,11 +13,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import TEST_DEVICE, TEXTS
+from conftest import BF16_ATOL, TEST_DEVICE, TEXTS
 from pergola.encodings import OUTPUTS, check_encoding, encoded_outputs, quantize
 from pergola.errors import RequestError
 
-TOL = 1e-5 if TEST_DEVICE == "cpu" else 2e-2  # how far one text's fp32 may move between batches
+TOL = 1e-5 if TEST_DEVICE == "cpu" else BF16_ATOL  # how far one text's fp32 may move between batches
 SHAPES = {"float32": (np.float32, 384), "float16": (np.float16, 384), "int8": (np.int8, 384),
           "binary": (np.uint8, 48), "ubinary": (np.uint8, 48)}
 
