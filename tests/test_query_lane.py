@@ -411,6 +411,29 @@ def test_a_failing_idle_callback_does_not_end_the_loop(engine):
     np.testing.assert_allclose(got[0], engine.encode([query])[0], atol=1e-5)
 
 
+def test_idle_time_does_not_count_as_the_next_steps_work(engine):
+    """Admission divides queued tokens by the measured tokens/s; work that arrives while the idle
+    callback runs must not have the idle seconds booked to its step (a stale clock once measured
+    2 tokens/s and refused a 41-token request as 29 s of work)."""
+    query, done, got = ids_request(1, 16, seed=4), threading.Event(), []
+    submitted: list[float] = []
+
+    def submit_when_idle() -> None:
+        if not submitted:
+            time.sleep(2.0)  # idle ~3 s in all before the work comes
+            submitted.append(time.perf_counter())
+            loop.submit(Job(query, deliver=lambda r: (got.append(r), done.set()), fail=got.append))
+
+    loop = EncodeLoop(engine, on_idle=submit_when_idle)
+    try:
+        assert done.wait(30), got
+        tokens, seconds = loop.throughput.last
+    finally:
+        loop.stop()
+    assert tokens == 16
+    assert seconds < 1.5, f"the step's 16 tokens were booked {seconds:.2f} s (the idle time included)"
+
+
 def test_green_contexts_without_cuda_bindings_say_what_to_install(monkeypatch):
     """The split needs the driver's green-context calls (NVIDIA's cuda-bindings), which PyTorch's
     wheels do not require: a missing package is named before any CUDA call is made."""

@@ -250,14 +250,7 @@ class EncodeLoop:
 
         while True:
             if inflight is None and not self._side and not self._wait(woken, timeout=1.0):
-                self._trimmer.now()  # idle for a second: give the heap back, tell the metrics
-                self._set_margin(False)
-                self._idle_callback()
-                answered = self.answered_at_once
-                while not self._wait(woken, timeout=1.0):  # and again after queries run_now answered
-                    if self.answered_at_once != answered:
-                        answered = self.answered_at_once
-                        self._idle_callback()
+                self._rest(woken)
             with self._cond:
                 if self._stopping and inflight is None and not self._side:
                     leftover = list(self._jobs.values())
@@ -284,6 +277,21 @@ class EncodeLoop:
         self._set_margin(False)
         for job in leftover:
             job.fail(Unloading("the model was unloaded before this request was computed; retry"))
+
+    def _rest(self, woken: Callable[[], bool]) -> None:
+        """Idle for a second: give the heap back, tell the metrics (again after queries run_now
+        answered), until there is work; then restart the work clock. Here, not only in `_wait`:
+        work that arrives while a callback runs finds `woken()` true at once, and the idle time
+        must not count as the next step's (once it did, admission saw 2 tokens/s and refused)."""
+        self._trimmer.now()
+        self._set_margin(False)
+        self._idle_callback()
+        answered = self.answered_at_once
+        while not self._wait(woken, timeout=1.0):
+            if self.answered_at_once != answered:
+                answered = self.answered_at_once
+                self._idle_callback()
+        self._busy_since = time.perf_counter()  # idle time is not work time
 
     def _pick(self) -> Step | None:
         """The next step (lock held): queries' first, but never twice in a row while bulk work
