@@ -216,23 +216,35 @@ def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float 
     raise ServerError(f"tritonserver was not ready after {timeout:.0f} s")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies (Linux), so a
-    killed `pergola serve` or test run leaves no tritonserver holding its ports and GPU."""
-    try:
-        import ctypes
+# Run in a fresh interpreter (-I -S: no site, no PYTHON* variables) between Popen and the command:
+# ask for SIGTERM when the parent dies, give up if it already has, then become the command.
+_TIE = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+        "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[3:])")
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+def popen_tied(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(cmd, **kwargs) for a process that gets SIGTERM when this one dies (Linux),
+    so a killed `pergola serve` or test run leaves no tritonserver holding its ports and GPU.
+
+    Why a wrapper interpreter and not `preexec_fn`: preexec_fn makes CPython fork and run Python in
+    the child, and with gRPC active in this process (tritonclient, the gateway) gRPC's fork
+    handlers restart its poller there, which can crash the child before exec ("epoll_wait error:
+    Bad file descriptor", SIGABRT or SIGSEGV): 9 of 300 starts of /bin/true from a process with a
+    gRPC server and channel (grpcio 1.85), none without preexec_fn, where CPython uses vfork and
+    runs no fork handlers (tests/test_hardening.py). The wrapper costs one bare interpreter start."""
+    path = shutil.which(cmd[0], path=(kwargs.get("env") or os.environ).get("PATH"))
+    if path is None:
+        raise FileNotFoundError(f"{cmd[0]}: not found on PATH")
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen([path, *cmd[1:]], **kwargs)
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _TIE, str(os.getpid()), path, *cmd], **kwargs)
 
 
 def start(opts: ServerOptions, log_path: Path | None = None) -> subprocess.Popen:
     """Start tritonserver in the background (tests, benchmarks)."""
     install = TritonInstall.prepare()
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(server_command(install, opts), env=install.env(), stdout=out, stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent)
+    return popen_tied(server_command(install, opts), env=install.env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 class RepoLock:
@@ -375,8 +387,7 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
         signal.signal(sig, shutdown)
     restarts = 0
     while not stopping:
-        proc = subprocess.Popen(cmd, env=install.env(), preexec_fn=_die_with_parent,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = popen_tied(cmd, env=install.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         crashed = _forward_output(proc)
         try:
             wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host, crashed=crashed)

@@ -82,10 +82,10 @@ def create_app() -> Starlette:
 
 def spawn(opts: GatewayOptions) -> subprocess.Popen:
     """`pergola gateway` as a child process that ends with its parent (`pergola serve`)."""
-    from pergola.server import _die_with_parent
+    from pergola.server import popen_tied
 
     env = dict(os.environ) | to_environment(opts)
-    return subprocess.Popen([sys.executable, "-m", "pergola.cli", "gateway"], env=env, preexec_fn=_die_with_parent)
+    return popen_tied([sys.executable, "-m", "pergola.cli", "gateway"], env=env)
 
 
 @contextlib.contextmanager
