@@ -415,13 +415,12 @@ def test_idle_time_does_not_count_as_the_next_steps_work(engine):
     """Admission divides queued tokens by the measured tokens/s; work that arrives while the idle
     callback runs must not have the idle seconds booked to its step (a stale clock once measured
     2 tokens/s and refused a 41-token request as 29 s of work)."""
-    query, done, got = ids_request(1, 16, seed=4), threading.Event(), []
-    submitted: list[float] = []
+    query, done, got, submitted = ids_request(1, 16, seed=4), threading.Event(), [], threading.Event()
 
     def submit_when_idle() -> None:
-        if not submitted:
+        if not submitted.is_set():
             time.sleep(2.0)  # idle ~3 s in all before the work comes
-            submitted.append(time.perf_counter())
+            submitted.set()
             loop.submit(Job(query, deliver=lambda r: (got.append(r), done.set()), fail=got.append))
 
     loop = EncodeLoop(engine, on_idle=submit_when_idle)

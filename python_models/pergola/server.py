@@ -233,11 +233,11 @@ def popen_tied(cmd: list[str], **kwargs) -> subprocess.Popen:
     gRPC server and channel (grpcio 1.85), none without preexec_fn, where CPython uses vfork and
     runs no fork handlers (tests/test_hardening.py). The wrapper costs one bare interpreter start
     (~20 ms on a 2-core host, against a server start of seconds)."""
-    path = shutil.which(cmd[0], path=(kwargs.get("env") or os.environ).get("PATH"))
-    if path is None:
-        raise FileNotFoundError(f"{cmd[0]}: not found on PATH")
     if not sys.platform.startswith("linux"):
-        return subprocess.Popen([path, *cmd[1:]], **kwargs)
+        return subprocess.Popen(cmd, **kwargs)
+    path = shutil.which(cmd[0], path=(kwargs.get("env") or os.environ).get("PATH"))
+    if path is None:  # as Popen would say it, in this process rather than in the wrapper
+        raise FileNotFoundError(f"{cmd[0]}: not found on PATH")
     return subprocess.Popen([sys.executable, "-I", "-S", "-c", _TIE, str(os.getpid()), path, *cmd], **kwargs)
 
 
