@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BF16_ATOL, TEST_DEVICE
+from conftest import VALUE_ATOL
 from pergola.classify import ClassifyTokenizer
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
@@ -25,7 +25,6 @@ from pergola.testing import CLASSIFIER_LABELS, make_classifier_folder
 TEXTS = ["I loved every minute of it.", "The service was slow and the food was cold.", "北京是中国的首都。",
          "🚀 rockets and emoji", "words " * 700]  # the last is over the limit: cut at its end
 PAIRS = [("A man is eating.", "Someone eats food."), ("A cat sleeps.", "The stock market fell " * 200)]
-MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else BF16_ATOL
 TOPICS = ("news", 'say "hi"\\', "sports")  # quotes and a backslash travel through config.pbtxt
 LABELS = {"bert": list(CLASSIFIER_LABELS), "xlmr": list(TOPICS)}
 
@@ -166,8 +165,8 @@ def test_server_matches_transformers(served, folders, name, kind):
 
     probs, labels = infer(name, raw=False)
     assert labels == LABELS[kind] and probs.shape == (len(TEXTS), 3)
-    np.testing.assert_allclose(probs, reference_probs(folders[kind], logits), atol=MAX_DIFF, rtol=0)
-    np.testing.assert_allclose(infer(name, raw=True)[0], logits, atol=MAX_DIFF, rtol=0)
+    np.testing.assert_allclose(probs, reference_probs(folders[kind], logits), atol=VALUE_ATOL, rtol=0)
+    np.testing.assert_allclose(infer(name, raw=True)[0], logits, atol=VALUE_ATOL, rtol=0)
     if name == "sentiment":  # the first classifier is also `classify`; pairs through the client
         from pergola_client import PergolaClient
 
@@ -175,7 +174,7 @@ def test_server_matches_transformers(served, folders, name, kind):
         with PergolaClient(f"127.0.0.1:{process.grpc}") as pergola:
             result = pergola.classify(firsts, seconds, raw_scores=True)
         assert result.labels == list(CLASSIFIER_LABELS)
-        np.testing.assert_allclose(result.probs, reference_logits(folders[kind], firsts, seconds), atol=MAX_DIFF,
+        np.testing.assert_allclose(result.probs, reference_logits(folders[kind], firsts, seconds), atol=VALUE_ATOL,
                                    rtol=0)
         np.testing.assert_allclose(infer("classify", raw=False)[0], probs, atol=0, rtol=0)
 
@@ -189,7 +188,7 @@ def test_tei_predict(gateway, folders):
     status, single = post(base, "/predict", {"model": "sentiment", "inputs": TEXTS[0]})
     assert status == 200, single
     assert [p["label"] for p in single] == [CLASSIFIER_LABELS[j] for j in np.argsort(-probs[0], kind="stable")]
-    np.testing.assert_allclose([p["score"] for p in single], np.sort(probs[0])[::-1], atol=MAX_DIFF, rtol=0)
+    np.testing.assert_allclose([p["score"] for p in single], np.sort(probs[0])[::-1], atol=VALUE_ATOL, rtol=0)
     # a batch mixing single texts and a pair, answered in input order
     firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
     pair_probs = reference_probs(folder, reference_logits(folder, firsts, seconds))
@@ -198,10 +197,10 @@ def test_tei_predict(gateway, folders):
     assert status == 200, batch
     for got, want in zip(batch, [logits[1], reference_logits(folder, firsts, seconds)[1], logits[2]]):
         scores = {p["label"]: p["score"] for p in got}
-        np.testing.assert_allclose([scores[label] for label in CLASSIFIER_LABELS], want, atol=MAX_DIFF, rtol=0)
+        np.testing.assert_allclose([scores[label] for label in CLASSIFIER_LABELS], want, atol=VALUE_ATOL, rtol=0)
     status, pair = post(base, "/predict", {"model": "sentiment", "inputs": list(PAIRS[0])})  # ["a", "b"]: a pair
     assert status == 200
-    np.testing.assert_allclose(sorted(p["score"] for p in pair), np.sort(pair_probs[0]), atol=MAX_DIFF, rtol=0)
+    np.testing.assert_allclose(sorted(p["score"] for p in pair), np.sort(pair_probs[0]), atol=VALUE_ATOL, rtol=0)
     status, err = post(base, "/predict", {"model": "sentiment", "inputs": TEXTS[4], "truncate": False})
     assert status == 413 and "inputs[0]" in err["error"], err
     status, err = post(base, "/predict", {"model": "sentiment", "inputs": ["a", "b", "c"]})
@@ -218,7 +217,7 @@ def test_vllm_classify(gateway, folders):
     status, out = post(base, "/classify", {"model": "topics", "input": TEXTS})
     assert status == 200, out
     assert [d["index"] for d in out["data"]] == list(range(len(TEXTS)))
-    np.testing.assert_allclose([d["probs"] for d in out["data"]], probs, atol=MAX_DIFF, rtol=0)
+    np.testing.assert_allclose([d["probs"] for d in out["data"]], probs, atol=VALUE_ATOL, rtol=0)
     assert [d["label"] for d in out["data"]] == [TOPICS[j] for j in probs.argmax(axis=1)]
     assert all(d["num_classes"] == 3 for d in out["data"]) and out["usage"]["prompt_tokens"] > len(TEXTS)
     status, err = post(base, "/classify", {"model": "sentiment", "input": "x", "truncate": "sideways"})
