@@ -138,8 +138,12 @@ if HAVE_TRITON:
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
         # ACCUMULATE: y += x @ W^T (the residual add, in fp32, rounded once).
         # ROW_NORM: x is the raw residual stream and W holds an RMSNorm's gain (PendingNorm): the
-        # sum of squares of each x row builds up from the tiles the K loop loads anyway, and the
-        # products are scaled by 1/rms before the epilogue (the norm costs no kernel of its own).
+        # products are scaled by each x row's 1/rms before the epilogue (the norm costs no kernel
+        # of its own). The sum of squares has a loop of its own over x [BM, K] (a few KB, from
+        # L2): summed from the `a` tiles of the pipelined dot loop (num_stages > 1), Triton 3.6
+        # on the H100 gave wrong sums for tiles of BM >= 64 (up to 8.2 off in a product of ~1;
+        # 64x32x128 at M = 2048, 64x64x*, 128x128x64), while the same kernel with num_stages = 1
+        # or the separate loop was exact (perf/results/2026-12-06-5ad8bf1/).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -151,14 +155,17 @@ if HAVE_TRITON:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         sum_sq = tl.zeros((BM,), dtype=tl.float32)
+        if ROW_NORM:
+            s_ptrs = x_ptrs
+            for _ in range(0, K, BK):
+                af = tl.load(s_ptrs, mask=m_ok, other=0.0).to(tl.float32)
+                sum_sq += tl.sum(af * af, axis=1)
+                s_ptrs += BK
         for _ in range(0, K, BK):
             a = tl.load(x_ptrs, mask=m_ok, other=0.0)
             acc = tl.dot(a, tl.load(w_ptrs), acc)
             if GATED:
                 acc_up = tl.dot(a, tl.load(w_ptrs + GATE_OFFSET * stride_wn), acc_up)
-            if ROW_NORM:
-                af = a.to(tl.float32)
-                sum_sq += tl.sum(af * af, axis=1)
             x_ptrs += BK
             w_ptrs += BK
         if ROW_NORM:
