@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -144,6 +145,8 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 def serve(args: argparse.Namespace) -> None:
     from pergola.admin import AdminError, default_token_file, read_token, write_token
+    from pergola.gateway.app import watch
+    from pergola.gateway.connections import preflight
     from pergola.server import RepoLock, ServerError, exec_foreground, serve_supervised
 
     try:
@@ -151,6 +154,8 @@ def serve(args: argparse.Namespace) -> None:
         token = read_token(args.admin_token_file) if args.admin_token_file else None
     except (ServerError, AdminError) as e:
         raise SystemExit(str(e)) from None
+    if args.gateway_port:  # a taken port or a bad limit ends `serve` now, before Triton starts
+        preflight(GatewayOptions(**values_from(args, GatewayOptions)), "pergola serve")
     repo = build_repo(args, lock)
     token_file = Path(args.admin_token_file) if args.admin_token_file else default_token_file(repo)
     if token is None:
@@ -161,13 +166,22 @@ def serve(args: argparse.Namespace) -> None:
     if opts.otlp_endpoint:  # the gateway's spans go to the same collector (gateway/tracing.py)
         os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", opts.otlp_endpoint)
     gateway = start_gateway(args, opts, token_file)
+    stopping = threading.Event()  # set before the gateway is ended on purpose
+
+    def stop_gateway() -> None:
+        stopping.set()
+        if gateway is not None:
+            gateway.terminate()
+
+    gateway_failed = watch(gateway, stopping) if gateway is not None else threading.Event()
     try:
         if opts.model_control == "explicit":
-            raise SystemExit(serve_supervised(opts, on_stop=gateway.terminate if gateway is not None else None))
+            code = serve_supervised(opts, on_stop=stop_gateway)
+            raise SystemExit(1 if gateway_failed.is_set() else code)
         exec_foreground(opts, lock)  # (the gateway ends with this process, whatever runs in it)
     finally:
         if gateway is not None:
-            gateway.terminate()
+            stop_gateway()
             gateway.wait(timeout=15)
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from starlette.applications import Starlette
@@ -20,7 +22,8 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import classify_api, metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
+from pergola.gateway import (classify_api, connections, metrics, openai_api, rerank_api, tei_api, tracing,
+                             triton_metrics)
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
@@ -76,8 +79,11 @@ def build_app(opts: GatewayOptions) -> Starlette:
 
 
 def create_app() -> Starlette:
-    """The app from PERGOLA_* environment variables (what each uvicorn worker process runs)."""
-    return build_app(from_environment(GatewayOptions))
+    """The app from PERGOLA_* environment variables (what each uvicorn worker process runs), and
+    that process's connection limits."""
+    opts = from_environment(GatewayOptions)
+    connections.configure(opts)
+    return build_app(opts)
 
 
 def spawn(opts: GatewayOptions) -> subprocess.Popen:
@@ -86,6 +92,25 @@ def spawn(opts: GatewayOptions) -> subprocess.Popen:
 
     env = dict(os.environ) | to_environment(opts)
     return popen_tied([sys.executable, "-m", "pergola.cli", "gateway"], env=env)
+
+
+def watch(child: subprocess.Popen, stopping: threading.Event) -> threading.Event:
+    """Wait for the gateway child from a thread: when it ends while `stopping` is unset (its port
+    was taken after all, a bad option, a crash), say so and send this process SIGTERM, so that
+    `pergola serve` stops tritonserver and exits non-zero instead of serving without its front
+    door. Returns the event set in that case."""
+    failed = threading.Event()
+
+    def wait() -> None:
+        code = child.wait()
+        if stopping.is_set():
+            return
+        failed.set()
+        print(f"pergola serve: the gateway exited with code {code} (its reason is above); stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="gateway-watch", daemon=True).start()
+    return failed
 
 
 @contextlib.contextmanager
@@ -106,19 +131,27 @@ def shared_metrics() -> Iterator[None]:
 
 
 def run(opts: GatewayOptions) -> None:
+    """Serve on the options' port with the connection discipline of gateway/connections.py: the
+    socket is bound here first, so a port in use ends the process with a message naming it."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     try:  # (here, not in the app's start-up, where uvicorn would print a traceback around it)
         replica_targets(opts)
+        connections.configure(opts)
     except ValueError as e:
         raise SystemExit(f"pergola gateway: {e}") from None
-
-    kwargs: dict[str, Any] = dict(host=opts.gateway_bind, port=opts.gateway_port, log_level="warning",
-                                  access_log=False, timeout_graceful_shutdown=10,
-                                  timeout_keep_alive=30)  # (uvicorn's 5 s drops idle pooled clients often)
+    sock = connections.listen(opts.gateway_bind, opts.gateway_port)
+    kwargs: dict[str, Any] = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                                  http=connections.GuardedProtocol, timeout_keep_alive=opts.keep_alive_timeout_s)
     if opts.gateway_workers > 1:  # workers import the app themselves: hand them the options
         os.environ.update(to_environment(opts))
         with shared_metrics():
-            uvicorn.run("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers, **kwargs)
-    else:
-        uvicorn.run(build_app(opts), **kwargs)
+            config = uvicorn.Config("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers,
+                                    **kwargs)
+            Multiprocess(config, sockets=[sock]).run()
+        return
+    server = uvicorn.Server(uvicorn.Config(build_app(opts), **kwargs))
+    server.run(sockets=[sock])
+    if not server.started:  # (the app's start-up failed: uvicorn has said why)
+        raise SystemExit(1)

@@ -15,6 +15,7 @@ _TYPES = {
     400: ("invalid_request_error", "Validation"),
     401: ("authentication_error", "Unauthorized"),
     404: ("not_found_error", "Validation"),
+    408: ("timeout_error", "Validation"),
     413: ("invalid_request_error", "Validation"),
     422: ("invalid_request_error", "Validation"),
     429: ("rate_limit_error", "Overloaded"),

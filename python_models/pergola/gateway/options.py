@@ -51,3 +51,16 @@ class GatewayOptions:
     request_timeout_s: float = option(60.0, "seconds a request may take end to end; Triton is told, so work "
                                             "nobody waits for is dropped")
     max_body_bytes: int = option(32 << 20, "largest request body accepted (413 above it)")
+    header_timeout_s: float = option(10.0, "seconds a client has to send a request's headers, counted from its "
+                                           "connection's opening or from its next request's first byte; then "
+                                           "the connection is closed (an idle or slowloris client holds a file "
+                                           "for seconds, not for ever)")
+    body_timeout_s: float = option(60.0, "seconds a request's whole body has to arrive once its headers have; "
+                                         "then 408 and the connection is closed (one deadline for the body, not "
+                                         "one per read, which a byte at a time would renew for ever)")
+    keep_alive_timeout_s: float = option(30.0, "seconds an idle keep-alive connection is kept between requests")
+    max_connections: int = option(0, "open client connections per gateway process; past it the connection "
+                                     "idle longest is closed to make room, and when every one has a request "
+                                     "in flight the new one gets 503 + Retry-After; 0: the open-files limit "
+                                     "(raised to its hard limit at start) less room for Triton connections "
+                                     "and files (an eighth of it, at least 1,024)")
