@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import fcntl
 import logging
 import os
 import re
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,6 +45,7 @@ log = logging.getLogger("pergola.gateway")
 HANDLERS = {"/v1/embeddings": openai_api.embeddings, "/v1/rerank": rerank_api.rerank_route}  # lines.URLS' routes
 WAVE_LINES = 1024  # most lines in one wave (a wave of tiny lines is bounded by count, not characters)
 POLL_S = 1.0  # how often an idle runner looks for jobs, and a running job for a cancel from another worker
+JOB_TIMEOUTS = 10  # a job's call may take this many --request-timeout-s
 WINDOW = re.compile(r"^([1-9][0-9]*)h$")
 
 
@@ -209,24 +212,29 @@ class Job:
         try:
             while True:
                 await slots.acquire()
+                while len(running) >= 2 * self.runner.opts.batch_concurrency:  # (answers waiting for the disk)
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 wave = await asyncio.to_thread(pending.wave, self.runner.opts.batch_call_chars)
                 if not wave:
                     break
-                task = asyncio.create_task(self._wave(wave))
+                task = asyncio.create_task(self._wave(wave, slots))
                 running.add(task)
-                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+                task.add_done_callback(running.discard)
             await asyncio.gather(*running)
         finally:
             for task in list(running):
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
-    async def _wave(self, batch: list[lines.Line]) -> None:
+    async def _wave(self, batch: list[lines.Line], slots: asyncio.Semaphore) -> None:
+        """Answer a wave's lines, free its slot (the next wave's calls start while this one is
+        written), then record the answers."""
         wave = Wave(self.runner.backend, len(batch), self.runner.opts.batch_call_chars)
         try:
             answers = await asyncio.gather(*(self._line(wave, line) for line in batch))
         finally:
             wave.cancel()
+            slots.release()
         # (shielded: once computed, a wave's answers are written even if the job is cancelled meanwhile)
         task = asyncio.create_task(self._record(answers))
         self._records.add(task)
@@ -297,11 +305,13 @@ class Runner:
 
     def __init__(self, store: Store, gateway: Any, opts: GatewayOptions) -> None:
         self.store, self.gateway, self.opts = store, gateway, opts
-        # The gateway's backend with calls cut only at call_chars (a wave's call is already
-        # within the model's limits): large calls, the bulk lane (gateway/batch/coalesce.py).
-        base: Backend = gateway.backend
-        self.backend = Backend(base.pool, 1 << 30, opts.batch_call_chars, base.timeout_s, tokenizers=base.tokenizers)
-        self.backend.http_headers, self.backend.grpc_headers = base.http_headers, base.grpc_headers
+        # The gateway's backend (a copy: the same replicas, tokenizers and keys) with calls cut
+        # only at call_chars (a wave's calls are already within the model's limits: large calls,
+        # the bulk lane, gateway/batch/coalesce.py), and a deadline of JOB_TIMEOUTS times the
+        # requests' (nobody waits on a job's call; one dropped at its deadline would be redone).
+        self.backend: Backend = copy.copy(gateway.backend)
+        self.backend.chunk_texts, self.backend.chunk_chars = 1 << 30, opts.batch_call_chars
+        self.backend.timeout_s = JOB_TIMEOUTS * opts.request_timeout_s
         self.jobs: dict[str, Job] = {}  # batch id -> the job this process drives
         self._wake = asyncio.Event()
 
@@ -318,10 +328,13 @@ class Runner:
         while True:
             self._wake.clear()
             ran = False
-            for batch_id in await self.store.active():
-                ran = await self.drive(batch_id)
-                if ran:
-                    break
+            try:
+                for batch_id in await self.store.active():
+                    ran = await self.drive(batch_id)
+                    if ran:
+                        break
+            except (OSError, sqlite3.Error) as e:  # the store is away (a full or gone disk): retry later
+                log.error("batch jobs: cannot read the store: %s", e)
             if not ran:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), POLL_S)
