@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway import gateway_option_values, pergola_stack  # noqa: E402
 from bench_server import NAME  # noqa: E402
-from common import cosine_min, model_folder, percentiles, write_result  # noqa: E402
+from common import cosine_min, drain, model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY, QUERY_GAP_S  # noqa: E402
 
@@ -83,25 +83,12 @@ def direct_bulk(port: int, texts: list[str], batch: int, clients: int) -> tuple[
     """The texts as /v1/embeddings requests of `batch`, `clients` threads -> (figures, vectors)."""
     requests = [(a, texts[a:a + batch]) for a in range(0, len(texts), batch)]
     vectors: dict[int, np.ndarray] = {}
-    next_request = iter(requests)
-    lock = threading.Lock()
 
-    def client() -> None:
+    def client() -> Callable[[tuple[int, list[str]]], None]:
         gw = Client(port)
-        while True:
-            with lock:
-                item = next(next_request, None)
-            if item is None:
-                return
-            vectors[item[0]] = gw.embed(item[1])
+        return lambda item: vectors.__setitem__(item[0], gw.embed(item[1]))
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = drain(requests, clients, client)
     return ({"texts_per_s": len(texts) / wall, "seconds": wall, "requests": len(requests), "batch": batch,
              "clients": clients}, np.concatenate([vectors[a] for a, _ in requests]))
 

@@ -249,3 +249,83 @@ def test_a_record_cut_short_by_a_crash_is_run_again(tmp_path):
     path.write_bytes(whole + lines.answer("batch_x", lines.Line(8, "b", "/v1/embeddings", b"{}"), 200, b"{}")[:-9])
     assert lines.answered(path) == ({7}, 3)
     assert path.read_bytes() == whole  # the torn record is gone: line 8 runs again, and is written once
+
+
+# --- how a wave of lines reaches the backend (no server: a stand-in backend) ---------------------
+
+class StandInBackend:
+    """Backend.embed's stand-in: each text's vector is [its length]; a text holding "bad" is over
+    the token limit (TooLong naming its index in the call); the first `busy` calls are 429."""
+
+    def __init__(self, busy: int = 0) -> None:
+        self.calls: list[int] = []
+        self.busy = busy
+        self.chunk_texts = self.chunk_chars = self.timeout_s = 0
+
+    async def embed(self, model, texts, opts):
+        from pergola.gateway.backend import Embedded, TooLong
+        from pergola.gateway.errors import GatewayError
+
+        self.calls.append(len(texts))
+        if self.busy:
+            self.busy -= 1
+            raise GatewayError(429, "queued tokens over the limit")
+        bad = [i for i, t in enumerate(texts) if "bad" in t]
+        if bad:
+            raise TooLong(bad[0], 5, f"TEXT[{bad[0]}] has more than 5 tokens")
+        return Embedded(np.array([[len(t)] for t in texts], dtype=np.float32), np.ones(len(texts), dtype=np.int64))
+
+
+def answer_lines(tmp_path: Path, texts: list[str], backend: StandInBackend) -> list[tuple[int, dict]]:
+    """One wave of one-text lines through the /v1/embeddings handler -> (status, body) per line."""
+    import asyncio
+
+    from pergola.gateway.batch import lines
+    from pergola.gateway.batch.coalesce import Wave
+    from pergola.gateway.batch.runner import Job, Runner
+    from pergola.gateway.batch.store import Store
+    from pergola.gateway.catalog import ServedModel
+    from pergola.gateway.options import GatewayOptions
+
+    class StandInGateway:
+        opts = GatewayOptions()
+
+        def __init__(self) -> None:
+            self.backend = backend
+
+        async def model(self, name, task):
+            return ServedModel("embed", "embed", "embed", settings={"max_texts": 64})
+
+    async def run() -> list:
+        runner = Runner(Store(tmp_path, tmp_path / "db.sqlite3"), StandInGateway(), GatewayOptions())
+        runner.backend = backend  # (the runner's copy would be a copy of the stand-in; keep its record)
+        job = Job(runner, "batch_test")
+        batch = [lines.parse(i + 1, json.dumps(embed_line(i, [t])).encode()) for i, t in enumerate(texts)]
+        wave = Wave(backend, len(batch), 1 << 20)
+        return await asyncio.gather(*(job._line(wave, line) for line in batch))
+
+    return [(status, json.loads(body)) for _, status, body, _ in asyncio.run(run())]
+
+
+def test_a_waves_lines_share_calls_of_up_to_max_texts_and_wait_out_refusals(tmp_path, monkeypatch):
+    from pergola.gateway.batch import coalesce
+
+    monkeypatch.setattr(coalesce, "FIRST_BACKOFF_S", 0.001)
+    backend = StandInBackend(busy=1)
+    texts = corpus(200)
+    answers = answer_lines(tmp_path, texts, backend)
+    # 200 one-text lines: four calls of at most the model's max_texts (64), after one refused for load
+    assert sorted(backend.calls[1:]) == [8, 64, 64, 64] and backend.calls[0] in (8, 64)
+    for text, (status, body) in zip(texts, answers):
+        assert status == 200 and body["data"][0]["embedding"] == [len(text)]
+
+
+def test_a_line_refused_in_a_shared_call_gets_its_own_error(tmp_path):
+    backend = StandInBackend()
+    texts = [f"fine text {i}" for i in range(10)]
+    texts[6] = "a bad one"
+    answers = answer_lines(tmp_path, texts, backend)
+    assert backend.calls == [10] + [1] * 10  # the shared call refused: each line alone
+    assert [status for status, _ in answers] == [200] * 6 + [400] + [200] * 3
+    error = answers[6][1]["error"]
+    assert error["param"] == "input" and error["message"].startswith("input[0] has more than 5 tokens")

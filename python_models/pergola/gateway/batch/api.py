@@ -143,6 +143,9 @@ class BatchAPI:
     API is never used writes nothing."""
 
     def __init__(self, opts: GatewayOptions) -> None:
+        for name in ("batch_max_file_bytes", "batch_max_lines", "batch_concurrency", "batch_call_chars"):
+            if getattr(opts, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(opts, name)}")
         self.opts = opts
         self.data = Path(opts.batch_data).expanduser()
         self.database = Path(opts.batch_database).expanduser() if opts.batch_database else self.data / "batch.sqlite3"

@@ -91,9 +91,9 @@ class Wave:
             for key in list(self._groups):
                 self._send(self._groups.pop(key))
 
-    async def join(self, key: Hashable, model: ServedModel, items: list, chars: int,
+    async def join(self, line: LineBackend, key: Hashable, model: ServedModel, items: list, chars: int,
                    call: Callable[[ServedModel, list], Awaitable[Any]], split: Callable[[Any, int, int], Any]) -> Any:
-        """The result for `items` (one line's), from a call shared with the wave's other lines of `key`."""
+        """The result for `items` (`line`'s), from a call shared with the wave's other lines of `key`."""
         group = self._groups.get(key)
         if group is not None and (len(group.items) + len(items) > model.limit("max_texts")
                                   or group.chars + chars > min(self.call_chars, model.limit("max_request_chars"))):
@@ -105,7 +105,8 @@ class Wave:
         group.items += items
         group.chars += chars
         group.members.append(member)
-        if self.waiting <= 0:  # (a line calling the backend again, after the wave went out)
+        line.arrive()  # (after joining: the last line to arrive sends the groups, its own included)
+        if self.waiting <= 0 and key in self._groups:  # (a line calling the backend again, after that)
             self._send(self._groups.pop(key))
         return await member.answer
 
@@ -169,14 +170,14 @@ class LineBackend:
             self.wave.arrived()
 
     async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
-        self.arrive()
-        return await self.wave.join(("texts", model.name, model.version, opts), model, texts, sum(map(len, texts)),
-                                    lambda m, items: self.wave.backend.embed(m, items, opts), _sliced)
+        return await self.wave.join(self, ("texts", model.name, model.version, opts), model, texts,
+                                    sum(map(len, texts)), lambda m, items: self.wave.backend.embed(m, items, opts),
+                                    _sliced)
 
     async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
-        self.arrive()
         # (a token id weighs as ~4 characters: what call_chars means for texts)
-        return await self.wave.join(("ids", model.name, model.version, opts), model, ids, 4 * sum(map(len, ids)),
+        return await self.wave.join(self, ("ids", model.name, model.version, opts), model, ids,
+                                    4 * sum(map(len, ids)),
                                     lambda m, items: self.wave.backend.embed_tokens(m, items, opts), _sliced)
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
