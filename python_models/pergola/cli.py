@@ -1,4 +1,4 @@
-"""`pergola` command line: build-repo, serve, embed, rerank, add-version, options.
+"""`pergola` command line: build-repo, serve, embed, rerank, batch, add-version, options.
 
 Every serving option is declared once (pergola.options) and is also an environment variable
 (PERGOLA_<OPTION>), as in TEI.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dataclasses import dataclass
 
+from pergola import batch_cli
 from pergola.admin import ADMIN_HEADER
 from pergola.config import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
@@ -322,6 +323,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-n", type=int, default=None)
     p.add_argument("--instruction", default=None, help="a Qwen3-Reranker's task instruction for this request")
     p.set_defaults(func=rerank)
+
+    p = sub.add_parser("batch", help="embed a corpus (Parquet, JSONL, text lines) through the gateway into Parquet "
+                                     "or JSONL; resumable: the same command continues an interrupted run")
+    batch_cli.add_arguments(p)
+    _add_key_option(p)
+    p.set_defaults(func=batch_cli.run)
 
     p = sub.add_parser("download", help="fetch Hub models (ORG/NAME[@REVISION]) into the Hugging Face cache "
                                         "(HF_HOME / HF_HUB_CACHE; HF_TOKEN for gated ones) so that `serve "

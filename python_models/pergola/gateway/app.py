@@ -2,7 +2,8 @@
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
 /v1/rerank, /v2/rerank; NIM /v1/ranking; vLLM /classify; TEI /embed, /embed_sparse, /embed_all,
-/predict, /tokenize, /info, /health; /rerank takes either form.
+/predict, /tokenize, /info, /health; /rerank takes either form; OpenAI's /v1/files and /v1/batches
+(gateway/batch).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from pergola.gateway import (classify_api, connections, metrics, openai_api, rerank_api, tei_api, tracing,
                              triton_metrics)
+from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
@@ -35,6 +37,7 @@ GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
 def build_app(opts: GatewayOptions) -> Starlette:
     tracing.require_sdk()
     holder: dict[str, Gateway] = {}
+    batch = BatchAPI(opts)  # /v1/files, /v1/batches and the jobs behind them (gateway/batch)
 
     def bound(handler: GatewayHandler) -> Callable[[Request], Awaitable[Any]]:
         return lambda request: handler(holder["gateway"], request)
@@ -47,7 +50,8 @@ def build_app(opts: GatewayOptions) -> Starlette:
         gateway = Gateway(opts)  # inside the running loop: gRPC aio channels belong to it
         holder["gateway"] = gateway
         try:
-            yield
+            async with batch.running(gateway):
+                yield
         finally:
             gateway.backend.tokenizers.close()
             await gateway.pool.close()
@@ -72,6 +76,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/info", "tei", tei_api.info, "GET"),
         Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
         triton_metrics.route(lambda: holder["gateway"]),  # Triton's metrics text, per replica
+        *batch.routes(route),
     ]
     middleware = [Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH]),
                   Middleware(tracing.TraceContext)]  # gateway/metrics.py, gateway/tracing.py

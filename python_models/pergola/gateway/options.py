@@ -64,3 +64,16 @@ class GatewayOptions:
                                      "in flight the new one gets 503 + Retry-After; 0: the open-files limit "
                                      "(raised to its hard limit at start) less room for Triton connections "
                                      "and files (an eighth of it, at least 1,024)")
+    batch_data: str = option("~/.local/share/pergola/batch", "folder of the Batch API's files (/v1/files uploads, "
+                                                             "each job's output and error files); jobs resume "
+                                                             "from it after a restart", metavar="DIR")
+    batch_database: str | None = option(None, "SQLite database of the Batch API's files and jobs (default: "
+                                              "BATCH_DATA/batch.sqlite3)", metavar="FILE")
+    batch_max_file_bytes: int = option(200 << 20, "largest file POST /v1/files accepts (413 above it)")
+    batch_max_lines: int = option(50_000, "most lines in one batch input file (413 above it)")
+    batch_concurrency: int = option(4, "calls a batch job keeps in flight to the replicas; its other lines wait "
+                                       "in the job, not in the encoders' queues")
+    batch_call_chars: int = option(65_536, "a batch job packs lines of one model and one set of options into "
+                                           "calls of about this many characters (within the model's max_texts "
+                                           "and max_request_chars): large calls ride the encoders' bulk lane, "
+                                           "behind every query")
