@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from pergola.gateway import classify_api, metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
+from pergola.gateway.admission import CancelOnDisconnect
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
@@ -71,7 +72,8 @@ def build_app(opts: GatewayOptions) -> Starlette:
         triton_metrics.route(lambda: holder["gateway"]),  # Triton's metrics text, per replica
     ]
     middleware = [Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH]),
-                  Middleware(tracing.TraceContext)]  # gateway/metrics.py, gateway/tracing.py
+                  Middleware(tracing.TraceContext),  # gateway/metrics.py, gateway/tracing.py
+                  Middleware(CancelOnDisconnect)]  # a client gone: its work stops (gateway/admission.py)
     return Starlette(routes=routes + [metrics.route()], lifespan=lifespan, middleware=middleware)
 
 
