@@ -69,6 +69,16 @@ def test_throughput_counts_busy_time_only():
     assert rate.best == pytest.approx(4_000)
 
 
+def test_throughput_of_answers_further_apart_than_the_window():
+    clock = Clock()
+    rate = Rate(window_s=10.0, clock=clock)
+    rate.begin()
+    for at in (25.0, 50.0, 75.0):  # one 8,000-token request at a time, 25 s each
+        clock.now = at
+        rate.add(8_000)
+    assert rate.tokens_per_s == pytest.approx(320)
+
+
 def test_throughput_is_not_trusted_before_enough_work():
     clock = Clock()
     rate = Rate(clock=clock)

@@ -70,15 +70,18 @@ class Rate:
     """Tokens answered per second of busy time (bulk work in flight), over the last WINDOW_S of it.
 
     Why busy time: under load the encoder never idles and answered tokens over wall time is its
-    throughput; between bursts the idle time would count as slowness. Samples are read against the
-    busy clock at the last answer, so a long call still in flight does not decay the rate."""
+    throughput; between bursts the idle time would count as slowness. The window runs from the
+    last answer older than WINDOW_S (its tokens were computed before: not counted) to the latest,
+    so answers further apart than the window (one long request at a time) still read right, and
+    a long call still in flight does not decay the rate."""
 
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s, self.clock = window_s, clock
         self.open = 0  # bulk requests in flight
         self.busy_s = 0.0  # busy time before the current busy period
         self.since = 0.0  # when the current busy period began
-        self.samples: deque[tuple[float, int]] = deque()  # (busy clock at the answer, tokens)
+        self.origin = 0.0  # busy clock of the answer the window starts after (0: the first busy moment)
+        self.samples: deque[tuple[float, int]] = deque()  # (busy clock at the answer, tokens), after origin
         self.best: float | None = None  # the highest trusted rate so far (413: "even alone")
 
     def busy_now(self) -> float:
@@ -97,8 +100,8 @@ class Rate:
     def add(self, tokens: int) -> None:
         at = self.busy_now()
         self.samples.append((at, tokens))
-        while self.samples[0][0] < at - self.window_s:
-            self.samples.popleft()
+        while len(self.samples) > 1 and self.samples[0][0] < at - self.window_s:
+            self.origin = self.samples.popleft()[0]
         rate = self.tokens_per_s
         if rate is not None:
             self.best = max(self.best or 0.0, rate)
@@ -108,12 +111,8 @@ class Rate:
         """None until MIN_TOKENS have been answered in the window."""
         if not self.samples:
             return None
-        last = self.samples[-1][0]
-        start = max(0.0, last - self.window_s)  # (add() keeps only the samples since then)
-        tokens = sum(t for _, t in self.samples)
-        if tokens < MIN_TOKENS or last <= start:
-            return None
-        return tokens / (last - start)
+        tokens, span = sum(t for _, t in self.samples), self.samples[-1][0] - self.origin
+        return tokens / span if tokens >= MIN_TOKENS and span > 0 else None
 
 
 @dataclass
