@@ -105,7 +105,7 @@ def test_refusal_says_when_to_come_back_from_the_backlog():
     with pytest.raises(GatewayError) as refused:
         admission.admit(served, tokens=5_000)
     assert refused.value.status == 429
-    assert refused.value.headers()["Retry-After"] == "5"  # (9,000 + 5,000) / 1,000 - 0.9 x 10
+    assert refused.value.headers()["Retry-After"] == "6"  # (9,000 + 5,000) / 1,000 - 0.8 x 10
     first.close()
     admission.admit(served, tokens=5_000).close()  # the backlog gone: taken
 
