@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pergola.gateway.admission import MIN_TOKENS, SEED_TOKENS, Admission, CancelOnDisconnect, Load, Rate, lengths
+from pergola.gateway.admission import (MIN_TOKENS, SEED_TOKENS, Admission, CancelOnDisconnect, Load, Rate, lengths,
+                                       watch_client)
 from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, pipeline
 from pergola.gateway.errors import GatewayError
@@ -90,12 +91,11 @@ def test_throughput_is_not_trusted_before_enough_work():
 
 def test_chars_per_token_is_learned_and_cut_inputs_give_the_cap():
     load = Load()
-    chars = np.array([1_000.0, 1_200.0, 40_000.0])
-    load.learn(chars, np.array([200, 240, 256]))  # the third was cut at the model's 256
+    load.learn([1_000, 1_200, 40_000], [200, 240, 256])  # the third was cut at the model's 256
     assert load.cap == 256
     assert 4.0 < load.chars_per_token < 5.0
-    assert load.estimate(np.array([40_000.0])) == 256
-    assert load.estimate(np.array([500.0])) < 130
+    assert load.estimate([40_000]) == 256
+    assert load.estimate([500]) < 130
 
 
 def test_refusal_says_when_to_come_back_from_the_backlog():
@@ -234,6 +234,7 @@ def run_asgi(leave_after_s: float | None) -> tuple[list[dict], bool]:
     async def inner(scope, receive, send):
         message = await receive()
         assert message["type"] == "http.request"
+        watch_client()  # (backend.py asks for work worth cancelling)
         try:
             await asyncio.sleep(0.3)
         except asyncio.CancelledError:

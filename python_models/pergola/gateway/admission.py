@@ -18,8 +18,8 @@ For a request of `own` tokens, with `ahead` tokens accepted before it and not ye
 query, the queries only: the encoder serves them in a lane of their own, LaneQueue in
 engine/scheduler.py), `rate` the measured throughput and `bound` the queue bound (--queue-bound-s,
 else the model's max_queue_seconds, the encoder's own bound):
-- 413 naming --request-timeout-s when own / (the best rate measured) > the request timeout: it
-  cannot finish in time even on an idle server;
+- 413 naming --request-timeout-s when own / (the best rate measured) > PLAN x the request
+  timeout: it cannot be expected to finish in time even on an idle server;
 - accepted when nothing is ahead or (ahead + own) / rate <= PLAN x bound: it should be answered
   within `bound` of its arrival;
 - accepted when own / rate > PLAN x bound (larger than the bound on its own) while ahead / rate
@@ -48,6 +48,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -67,7 +68,7 @@ SPECIAL_TOKENS = 2  # added to each input's estimate ([CLS] ... [SEP], <s> ... <
 # Work is admitted to finish by this share of the queue bound (and of the request timeout): the
 # throughput is measured, not known, and the gateway's own refusals take CPU from the encoder on a
 # small host. Planned to the whole bound, the accepted p99 was 1.00-1.10x the bound with 64-256
-# clients on 2 cores; to 0.9 of it, 0.89-1.07x (perf/results/2026-12-06-1d340c3).
+# clients on 2 cores; to 0.9 of it, 0.89-1.07x; to 0.8, 0.73-0.96x (perf/results/2026-12-06-a3538ba-cpu).
 PLAN = 0.8
 
 
@@ -134,24 +135,33 @@ class Load:
     def chars_per_token(self) -> float:
         return self.chars / self.tokens
 
-    def estimate(self, chars: np.ndarray) -> int:
+    def estimate(self, chars: Sequence[int]) -> int:
         """Tokens of inputs of `chars` characters each."""
-        each = np.ceil(chars / self.chars_per_token) + SPECIAL_TOKENS
-        return int((np.minimum(each, self.cap) if self.cap else each).sum())
+        return estimate(chars, self.chars_per_token, self.cap)
 
-    def learn(self, chars: np.ndarray, tokens: np.ndarray) -> None:
+    def learn(self, chars: Sequence[int], tokens: Sequence[int]) -> None:
         """The ratio and the cap from an answer: `tokens` of inputs of `chars` characters."""
-        tokens = np.asarray(tokens, dtype=np.float64)
-        cut = chars > CUT * self.chars_per_token * np.maximum(tokens, 1)
-        if cut.any():
-            self.cap = max(self.cap or 0, int(tokens[cut].max()))
-        self.chars = self.chars * DECAY + float(chars[~cut].sum())
-        self.tokens = self.tokens * DECAY + float(tokens[~cut].sum())
+        limit = CUT * self.chars_per_token
+        kept_chars = kept_tokens = 0
+        for c, t in zip(chars, tokens):
+            if c > limit * max(t, 1):  # cut short at the model's limit
+                self.cap = max(self.cap or 0, t)
+            else:
+                kept_chars, kept_tokens = kept_chars + c, kept_tokens + t
+        self.chars = self.chars * DECAY + kept_chars
+        self.tokens = self.tokens * DECAY + kept_tokens
 
 
-def lengths(texts: Sequence[str]) -> np.ndarray:
-    """[n] characters of each text."""
-    return np.fromiter(map(len, texts), dtype=np.float64, count=len(texts))
+def estimate(chars: Sequence[int], chars_per_token: float, cap: int | None) -> int:
+    """Tokens of inputs of `chars` characters each (plain Python: a query's one text costs ~1 us,
+    where numpy's calls on a short array cost tens)."""
+    cap = cap or 1 << 62
+    return sum(min(math.ceil(c / chars_per_token) + SPECIAL_TOKENS, cap) for c in chars)
+
+
+def lengths(texts: Sequence[str]) -> list[int]:
+    """Characters of each text."""
+    return list(map(len, texts))
 
 
 class Ticket:
@@ -168,18 +178,18 @@ class Ticket:
         """Seconds left before the request's timeout."""
         return self.deadline - time.monotonic()
 
-    def estimate(self, chars: np.ndarray) -> int:
+    def estimate(self, chars: Sequence[int]) -> int:
         """Tokens of a part of inputs of `chars` characters, as estimated when it was admitted."""
-        each = np.ceil(chars / self.ratio) + SPECIAL_TOKENS
-        return int((np.minimum(each, self.cap) if self.cap else each).sum())
+        return estimate(chars, self.ratio, self.cap)
 
-    def answered(self, chars: np.ndarray | None, tokens: np.ndarray) -> None:
+    def answered(self, chars: Sequence[int] | None, tokens: np.ndarray) -> None:
         """A part of the request answered: `tokens` per input (of `chars` characters; None for ids)."""
-        done = int(np.sum(tokens))
+        counts = tokens.ravel().tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+        done = sum(counts)
         part = done if chars is None else self.estimate(chars)
         self._release(min(part, self.left))
         if chars is not None:
-            self.load.learn(chars, tokens)
+            self.load.learn(chars, counts)
         if self.lane:
             self.load.rate.add(done)
 
@@ -203,13 +213,16 @@ class Admission:
         self.loads: dict[str, Load] = {}
 
     def load(self, model: ServedModel) -> Load:
-        return self.loads.setdefault(model.target, Load())
+        load = self.loads.get(model.target)
+        if load is None:
+            load = self.loads[model.target] = Load()
+        return load
 
     def bound_s(self, model: ServedModel) -> float:
         """The queue bound: --queue-bound-s, else the model's max_queue_seconds (0: none)."""
         return self.queue_bound_s or float(model.limit("max_queue_seconds"))
 
-    def admit(self, model: ServedModel, chars: np.ndarray | None = None, tokens: int | None = None) -> Ticket:
+    def admit(self, model: ServedModel, chars: Sequence[int] | None = None, tokens: int | None = None) -> Ticket:
         """A ticket for a request of inputs of `chars` characters (or of exactly `tokens` tokens),
         or GatewayError 429 / 413 before any of its work is done."""
         load = self.load(model)
@@ -226,9 +239,9 @@ class Admission:
         rate, best = load.rate.tokens_per_s, load.rate.best
         if best is not None and own / best > PLAN * self.timeout_s:
             return GatewayError(413, f"this request is about {own:,} tokens of work, about {own / best:,.0f} s at "
-                                     f"the most this model was measured to do ({best:,.0f} tokens/s), over the "
-                                     f"request timeout of {self.timeout_s:g} s (--request-timeout-s): raise it, or "
-                                     "split the request")
+                                     f"the most this model was measured to do ({best:,.0f} tokens/s), more than "
+                                     f"{PLAN:.0%} of the request timeout of {self.timeout_s:g} s "
+                                     "(--request-timeout-s): raise it, or split the request")
         if ahead == 0:
             return None
         if rate is None:  # not measured yet: a seed budget of bulk work (queries always pass)
@@ -274,15 +287,64 @@ def refused_later(error: GatewayError, admission: Admission, model: ServedModel)
     return error
 
 
+class _Watch:
+    """One request's client, watched for leaving once asked (watch_client) and its body is read."""
+
+    def __init__(self, receive: Callable, send: Callable, handler: asyncio.Task) -> None:
+        self.receive_next, self.send_next, self.handler = receive, send, handler
+        self.task: asyncio.Task | None = None
+        self.wanted = self.body_read = self.answered = self.gone = False
+
+    def start(self) -> None:
+        self.wanted = True
+        if self.body_read and self.task is None and not self.answered:
+            self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> dict[str, Any]:
+        message = await self.receive_next()
+        if message["type"] == "http.disconnect" and not self.answered:
+            self.gone = True
+            self.handler.cancel()
+        return message
+
+    async def receive(self) -> dict[str, Any]:
+        if self.task is not None:  # (the watcher holds the next message)
+            return await asyncio.shield(self.task)
+        message = await self.receive_next()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            self.body_read = True
+            if self.wanted:
+                self.start()
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.answered = True
+        await self.send_next(message)
+
+
+_WATCH: ContextVar[_Watch | None] = ContextVar("pergola_gateway_watch", default=None)
+
+
+def watch_client() -> None:
+    """From now on, the request being answered is cancelled if its client leaves (CancelOnDisconnect).
+    Asked by backend.py for work worth cancelling only: watching costs a task per request (~20 us
+    of the gateway's CPU), more than a query's own admission."""
+    watch = _WATCH.get()
+    if watch is not None:
+        watch.start()
+
+
 class CancelOnDisconnect:
     """ASGI middleware: a POST whose client goes away while it is answered is cancelled, and with it
     the request's work (backend.py: chunks not yet sent are never sent; calls in flight over gRPC
     are cancelled in Triton, whose encoder drops them between steps).
 
     uvicorn does not cancel a handler when its client leaves: it only answers the next receive()
-    with `http.disconnect`. So once the body has been read, a task waits on receive() for the
-    request's lifetime and cancels the handler's task when the client is gone before the answer
-    is complete; the answer is then counted as 499 (nginx's "client closed request")."""
+    with `http.disconnect`. So once the body has been read and the request asked for it
+    (watch_client), a task waits on receive() for the request's lifetime and cancels the
+    handler's task when the client is gone before the answer is complete; the answer is then
+    counted as 499 (nginx's "client closed request")."""
 
     def __init__(self, app: Callable) -> None:
         self.app = app
@@ -291,39 +353,17 @@ class CancelOnDisconnect:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        handler = asyncio.current_task()
-        watcher: asyncio.Task | None = None
-        state = {"answered": False, "gone": False}
-
-        async def watch() -> dict[str, Any]:
-            message = await receive()
-            if message["type"] == "http.disconnect" and not state["answered"]:
-                state["gone"] = True
-                handler.cancel()  # type: ignore[union-attr]
-            return message
-
-        async def receive_body() -> dict[str, Any]:
-            nonlocal watcher
-            if watcher is not None:  # (the body is read: the watcher holds the next message)
-                return await asyncio.shield(watcher)
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                watcher = asyncio.get_running_loop().create_task(watch())
-            return message
-
-        async def send_answer(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                state["answered"] = True
-            await send(message)
-
+        watch = _Watch(receive, send, asyncio.current_task())  # type: ignore[arg-type]
+        token = _WATCH.set(watch)
         try:
-            await self.app(scope, receive_body, send_answer)
+            await self.app(scope, watch.receive, watch.send)
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not watch.gone:
                 raise
-            handler.uncancel()  # type: ignore[union-attr]
+            watch.handler.uncancel()
             # (uvicorn drops what is sent to a connection that is gone; the metrics see the status)
             await send({"type": "http.response.start", "status": 499, "headers": []})
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            _WATCH.reset(token)
+            if watch.task is not None:
+                watch.task.cancel()

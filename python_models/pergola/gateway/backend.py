@@ -32,7 +32,7 @@ from tritonclient.utils import np_to_triton_dtype
 from pergola.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
 from pergola.classify import ClassifyTokenizer
 from pergola.errors import RequestError
-from pergola.gateway.admission import Admission, Ticket, lengths, refused_later
+from pergola.gateway.admission import Admission, Ticket, lengths, refused_later, watch_client
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
 from pergola.gateway.metrics import INPUTS
@@ -265,11 +265,13 @@ class Backend:
         self.grpc_headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
 
     @contextlib.contextmanager
-    def _admitted(self, model: ServedModel, chars: np.ndarray | None = None,
+    def _admitted(self, model: ServedModel, chars: list[int] | None = None,
                   tokens: int | None = None) -> Iterator[Ticket]:
         """The request's ticket (admission.py) while it is answered, or its 429 / 413 before any
         of its work; a 429 from Triton later gets its Retry-After from the backlog too."""
         ticket = self.admission.admit(model, chars, tokens)
+        if ticket.left > CANCELLABLE_TOKENS:
+            watch_client()  # (its client leaving cancels it: CancelOnDisconnect)
         try:
             yield ticket
         except GatewayError as e:
@@ -404,7 +406,7 @@ class Backend:
         return inputs + _encoder_options(opts, [1, 1]), enc.lengths
 
     async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                          opts: EmbedOptions, work: Ticket, chars: np.ndarray) -> Embedded:
+                          opts: EmbedOptions, work: Ticket, chars: list[int]) -> Embedded:
         """`texts` tokenized here, their ids to the same version of NAME_encoder."""
         output, dtype = OUTPUTS[opts.encoding]
         inputs, tokens = await self._tokenized_here(model, tokenizer, texts, opts)
@@ -413,7 +415,7 @@ class Backend:
         return Embedded(result.as_numpy(output).view(dtype), tokens)
 
     async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedOptions, work: Ticket,
-                              chars: np.ndarray) -> Embedded:
+                              chars: list[int]) -> Embedded:
         output, dtype = OUTPUTS[opts.encoding]
 
         async def one(start: int, end: int) -> Embedded:
@@ -425,7 +427,7 @@ class Backend:
             work.answered(chars[start:end], part.tokens)
             return part
 
-        spans = chunks([len(t) for t in texts], self.chunk_texts, self.chunk_chars)
+        spans = chunks(chars, self.chunk_texts, self.chunk_chars)
         parts = await self._chunked([lambda a=a, b=b: _numbered(a, one(a, b)) for a, b in spans])
         return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
 
@@ -451,7 +453,7 @@ class Backend:
             return _per_token_answer(r, r.as_numpy("TOKEN_COUNT"))
 
         async def ensemble() -> PerToken:
-            spans = chunks([len(t) for t in texts], self.chunk_texts, self.chunk_chars)
+            spans = chunks(chars, self.chunk_texts, self.chunk_chars)
             parts = await self._chunked([lambda a=a, b=b: _numbered(a, one(a, b)) for a, b in spans])
             return PerToken([s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
                             np.concatenate([p.tokens for p in parts]))
@@ -504,7 +506,7 @@ class Backend:
         """Scores [n] float32 of `documents` against `query` and each pair's tokens, in input order:
         tokenized here when the request is short (gateway/tokenizers.py), else through the
         rerank ensemble's steps in chunks."""
-        chars = lengths(documents) + len(query)  # each (query, document) pair's
+        chars = [len(query) + len(d) for d in documents]  # each (query, document) pair's
         with self._admitted(model, chars) as work:
             return await self._here_or_ensemble(
                 model, [query, *documents],
@@ -512,7 +514,7 @@ class Backend:
                 lambda: self._rerank_ensemble(model, query, documents, opts, work, chars))
 
     async def _rerank_here(self, model: ServedModel, tokenizer: RerankTokenizer, query: str, documents: list[str],
-                           opts: RerankOptions, work: Ticket, chars: np.ndarray) -> Reranked:
+                           opts: RerankOptions, work: Ticket, chars: list[int]) -> Reranked:
         """The pairs tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
         enc = await self._encoded_here([query, *documents], lambda: tokenizer.encode(
             query, documents, max_document_tokens=opts.max_document_tokens, instruction=opts.instruction,
@@ -523,7 +525,7 @@ class Backend:
         return Reranked(result.as_numpy("SCORE"), enc.lengths)
 
     async def _rerank_ensemble(self, model: ServedModel, query: str, documents: list[str],
-                               opts: RerankOptions, work: Ticket, chars: np.ndarray) -> Reranked:
+                               opts: RerankOptions, work: Ticket, chars: list[int]) -> Reranked:
         options = [Tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")]
         if opts.truncate is not None:
             options.append(Tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
@@ -543,7 +545,7 @@ class Backend:
             work.answered(chars[start:end], part.tokens)
             return part
 
-        spans = chunks(chars.astype(int).tolist(), self.chunk_texts, self.chunk_chars)
+        spans = chunks(chars, self.chunk_texts, self.chunk_chars)
         parts = await self._chunked([lambda a=a, b=b: _numbered(a, one(a, b)) for a, b in spans])
         return Reranked(np.concatenate([p.scores for p in parts]), np.concatenate([p.tokens for p in parts]))
 
@@ -555,7 +557,7 @@ class Backend:
         calls (TEXT_PAIR pairs all of a call's texts)."""
         pairs = pairs or [None] * len(texts)
         groups = [[i for i, p in enumerate(pairs) if p is None], [i for i, p in enumerate(pairs) if p is not None]]
-        chars = lengths(texts) + lengths([p or "" for p in pairs])  # each input's, its pair's included
+        chars = [len(t) + len(p or "") for t, p in zip(texts, pairs)]  # each input's, its pair's included
         options = [Tensor("RAW_SCORES", np.array([True]), "BOOL")] if opts.raw_scores else []
         if opts.truncate is not None:
             options.append(Tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
@@ -567,8 +569,8 @@ class Backend:
                 inputs.append(Tensor("TEXT_PAIR", np.array([pairs[i].encode("utf-8") for i in index],  # type: ignore[union-attr]
                                                              dtype=object), "BYTES"))
             result = await self._through_tokenizer(model, inputs, ["PROBS", "LABELS", "TOKEN_COUNT"],
-                                                   work.estimate(chars[index]), work)
-            work.answered(chars[index], result.as_numpy("TOKEN_COUNT"))
+                                                   work.estimate([chars[i] for i in index]), work)
+            work.answered([chars[i] for i in index], result.as_numpy("TOKEN_COUNT"))
             return _classified(result, result.as_numpy("TOKEN_COUNT"))
 
         def one_here(tokenizer: ClassifyTokenizer) -> Callable[[list[int], bool], Awaitable[Classified]]:
@@ -580,7 +582,7 @@ class Backend:
                 inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
                 result = await self._encode(model, inputs, ["PROBS", "LABELS"], int(enc.lengths.sum()), work,
                                             model.version or "")
-                work.answered(chars[index], enc.lengths)
+                work.answered([chars[i] for i in index], enc.lengths)
                 return _classified(result, enc.lengths)
             return call
 
@@ -606,5 +608,5 @@ class Backend:
                                        for paired, group in enumerate(groups) if group]),
                 lambda: assembled([partial(numbered, one, group[a:b], bool(paired))
                                    for paired, group in enumerate(groups)
-                                   for a, b in chunks([int(chars[i]) for i in group],
+                                   for a, b in chunks([chars[i] for i in group],
                                                       self.chunk_texts, self.chunk_chars)]))

@@ -26,6 +26,9 @@ from pergola.options import convert
 
 log = logging.getLogger("pergola.gateway")
 ALIASES = ("embed", "rerank", "classify")
+# EngineConfig's defaults by field, read once: dataclasses.fields() costs ~10 us a call, and
+# admission asks for a limit on every request
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,7 @@ class ServedModel:
 
     def limit(self, name: str) -> Any:
         """An EngineConfig limit as this model's server has it (its default if not written)."""
-        if name in self.settings:
-            return self.settings[name]
-        return next(f.default for f in fields(EngineConfig) if f.name == name)
+        return self.settings[name] if name in self.settings else _DEFAULTS[name]
 
     def text_limits(self, count_option: str = "max_texts") -> StringLimits:
         return StringLimits(self.limit(count_option), self.limit("max_text_chars"),
