@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from pergola.gateway import (classify_api, connections, metrics, openai_api, rerank_api, tei_api, tracing,
                              triton_metrics)
+from pergola.gateway.admission import CancelOnDisconnect
 from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
@@ -79,7 +80,8 @@ def build_app(opts: GatewayOptions) -> Starlette:
         *batch.routes(route),
     ]
     middleware = [Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH]),
-                  Middleware(tracing.TraceContext)]  # gateway/metrics.py, gateway/tracing.py
+                  Middleware(tracing.TraceContext),  # gateway/metrics.py, gateway/tracing.py
+                  Middleware(CancelOnDisconnect)]  # a client gone: its work stops (gateway/admission.py)
     return Starlette(routes=routes + [metrics.route()], lifespan=lifespan, middleware=middleware)
 
 

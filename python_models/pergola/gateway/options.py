@@ -48,8 +48,19 @@ class GatewayOptions:
                                   "replicas concurrently and put back together in order")
     chunk_chars: int = option(65_536, "...and a chunk holds at most this many characters (one text over it is "
                                       "a chunk of its own)")
+    chunk_window: int = option(2, "...and at most this many chunks of one request are in flight at once per "
+                                  "replica, the next sent as one is answered: a request does not fill the "
+                                  "encoder's queue with its chunks, and when one fails (or the client leaves) "
+                                  "those not sent never are")
     request_timeout_s: float = option(60.0, "seconds a request may take end to end; Triton is told, so work "
-                                            "nobody waits for is dropped")
+                                            "nobody waits for is dropped. A request larger than --queue-bound-s "
+                                            "on its own is bounded by this, and refused with 413 when it would "
+                                            "take longer even on an idle server")
+    queue_bound_s: float = option(0.0, "a request is refused at once (429 + Retry-After, before any tokenizing) "
+                                       "when the work accepted ahead of it for its model, with its own, would "
+                                       "take longer than this at the throughput measured from answers "
+                                       "(gateway/admission.py); 0: the model's max_queue_seconds (10 s by "
+                                       "default), the encoder's own bound")
     max_body_bytes: int = option(32 << 20, "largest request body accepted (413 above it)")
     header_timeout_s: float = option(10.0, "seconds a client has to send a request's headers, counted from its "
                                            "connection's opening or from its next request's first byte; then "
