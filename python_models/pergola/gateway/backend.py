@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
@@ -24,6 +23,7 @@ from pergola.errors import RequestError
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
 from pergola.gateway.metrics import INPUTS
+from pergola.gateway.offload import TokenIds
 from pergola.gateway.replicas import Replica, ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
@@ -339,22 +339,19 @@ class Backend:
 
         return await self._here_or_ensemble(model, texts, here, ensemble)
 
-    async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
+    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedOptions) -> Embedded:
         """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""
         output, dtype = OUTPUTS[opts.encoding]
+        offsets = ids.offsets()
 
         async def one(start: int, end: int) -> np.ndarray:
-            part = ids[start:end]
-            lengths = np.array([[len(t) for t in part]], dtype=np.int32)
-            # (chain: 4 us for 128 ids, a generator expression 10; 1.5 against 2.8 ms for 100 x 512)
-            flat = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=int(lengths.sum()))[None, :]
-            inputs = [Tensor("INPUT_IDS", flat, "INT64"), Tensor("LENGTHS", lengths, "INT32"),
-                      *_option_inputs(opts, [1, 1])]
+            inputs = [Tensor("INPUT_IDS", ids.flat[None, offsets[start]:offsets[end]], "INT64"),
+                      Tensor("LENGTHS", ids.lengths[None, start:end], "INT32"), *_option_inputs(opts, [1, 1])]
             result = await self._infer(f"{model.target}_encoder", inputs, [output])
             return result.as_numpy(output).view(dtype)
 
-        parts = await _all(one(a, b) for a, b in chunks([len(t) for t in ids], self.chunk_texts, self.chunk_chars))
-        return Embedded(np.concatenate(parts), np.array([len(t) for t in ids], dtype=np.int32))
+        parts = await _all(one(a, b) for a, b in chunks(ids.lengths.tolist(), self.chunk_texts, self.chunk_chars))
+        return Embedded(np.concatenate(parts), ids.lengths)
 
     async def tokenize(self, model: ServedModel, texts: list[str], prompt_name: str | None,
                        add_special_tokens: bool) -> Tokenized:
