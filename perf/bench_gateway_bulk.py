@@ -37,27 +37,25 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mixed  # noqa: E402
-from bench_gateway import Gateway, _first_answer, tokenizes_texts, triton_servers  # noqa: E402
-from bench_server import NAME  # noqa: E402
-from common import model_folder, write_result  # noqa: E402
-from inputs import TokenWindows, corpus_text  # noqa: E402
-
+# (only light imports here: the gateway runs as this script (--serve), and its CPU workers, spawned,
+# import it again; the benchmark's own modules, torch among them, are imported by main())
+PERF = str(Path(__file__).resolve().parent)
+NAME = "bench"  # the served model (bench_server.NAME)
 LOADS = ("ids_100x512", "embed_max", "tokenize_max")
 
 
 class Bulk:
-    """One bulk request, its JSON built once: `len()` is its inputs (mixed.py counts them)."""
+    """One bulk request, its JSON built once: `len()` is its inputs (mixed.py counts them);
+    `warm` the small request mixed.py warms the connection with (as batch[:2])."""
 
-    def __init__(self, path: str, body: bytes, count: int) -> None:
-        self.path, self.body, self.count = path, body, count
+    def __init__(self, path: str, body: bytes, count: int, warm: "Bulk | None" = None) -> None:
+        self.path, self.body, self.count, self.warm = path, body, count, warm
 
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, _: slice) -> "Bulk":  # (mixed.py warms up with batch[:2]: the request itself)
-        return self
+    def __getitem__(self, _: slice) -> "Bulk":
+        return self.warm or self
 
 
 def bulk_sender(port: int):
@@ -80,22 +78,28 @@ def bulk_sender(port: int):
 
 
 def query(port: int):
+    from bench_gateway import Gateway
+    from mixed import QUERY
+
     gw = Gateway(port)
-    return lambda: gw.embed([mixed.QUERY])
+    return lambda: gw.embed([QUERY])
 
 
-def requests(load: str, windows: TokenWindows) -> list[list[Bulk]]:
-    """Each bulk process's requests for `load`."""
+def requests(load: str, windows) -> list[list[Bulk]]:
+    """Each bulk process's requests for `load` (windows: inputs.TokenWindows)."""
+    from inputs import corpus_text
+
     def ids_body(seqs: list[np.ndarray]) -> bytes:
         return json.dumps({"model": NAME, "input": [s.tolist() for s in seqs]}, separators=(",", ":")).encode()
 
+    small = Bulk("/v1/embeddings", ids_body([np.arange(1, 9)]), 1)
     if load == "ids_100x512":
         return [[Bulk("/v1/embeddings", ids_body(windows.ids(512, 100, seed=10_000 * p + i)), 100) for i in range(3)]
                 for p in range(4)]
     if load == "embed_max":
-        return [[Bulk("/v1/embeddings", ids_body(windows.ids(5_000, 1_024, seed=7)), 1_024)]]
+        return [[Bulk("/v1/embeddings", ids_body(windows.ids(5_000, 1_024, seed=7)), 1_024, small)]]
     text = (corpus_text() * 2)[:1_000_000]  # (windows unused)
-    return [[Bulk("/tokenize", json.dumps({"model": NAME, "inputs": text}).encode(), 1)]]
+    return [[Bulk("/tokenize", json.dumps({"model": NAME, "inputs": text}).encode(), 1, small)]]
 
 
 def rss_mb(pids: list[int]) -> float:
@@ -199,6 +203,12 @@ def main() -> None:
         port, grpc_url, http_port, repo, encoder_ms = args.serve
         return serve(int(port), grpc_url, http_port, repo, float(encoder_ms), args.dim)
     import subprocess
+
+    sys.path.insert(0, PERF)
+    import mixed
+    from bench_gateway import _first_answer, tokenizes_texts, triton_servers
+    from common import model_folder, write_result
+    from inputs import TokenWindows
 
     import pergola
     from pergola.hf_folder import load_model_spec

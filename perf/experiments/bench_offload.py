@@ -12,8 +12,9 @@ Jobs, each the gateway's own CPU work for one bulk request or answer:
   render_tokens  a /tokenize answer of 100,000 tokens (an object per token) rendered as JSON
 Modes: `loop` (the job in the coroutine, as the gateway did), `thread` (run_in_executor on a
 thread pool of 2), `process` (a pool of 2 spawned processes: raw bytes / numpy in, numpy / bytes
-out). For each, 4 coroutines submit jobs back to back (4 bulk clients) for --seconds while a
-ticker on the same loop sleeps 1 ms at a time and records when it wakes: a request arriving at a
+out; the job's time through it alone, hand-off included, is `alone_in_a_process_ms`). For each
+mode, 4 coroutines submit jobs back to back (4 bulk clients) for --seconds while a ticker on the
+same loop sleeps 1 ms at a time and records when it wakes: a request arriving at a
 random moment waits until the next wake-up (loop_wait_ms, ~0.5 ms p50 / 1 ms max on a free loop).
 Under uvloop, as uvicorn runs it.
 """
@@ -79,6 +80,16 @@ def arrival_waits(wakes: np.ndarray, samples: int = 20_000) -> dict:
     return percentiles(list((nxt - at) * 1e3))
 
 
+def one_by_one(pool: Executor, job: Callable[[Any], Any], payload: Any, n: int = 20) -> float:
+    """p50 ms of `job` through `pool` with nothing else in flight: its hand-off included."""
+    ms = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        pool.submit(job, payload).result()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ms))
+
+
 def warm(_: int) -> int:
     return os.getpid()
 
@@ -114,6 +125,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
     p.add_argument("--out", default="perf/out/offload.json")
     args = p.parse_args()
     import multiprocessing as mp
@@ -125,18 +137,21 @@ def main() -> None:
     threads = ThreadPoolExecutor(2)
     procs = ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
     list(procs.map(warm, range(4)))
-    for name, (job, make) in JOBS.items():
+    for name in args.jobs:
+        job, make = JOBS[name]
         payload = make()
         t0 = time.perf_counter()
         for _ in range(5):
             job(payload)
-        res["jobs"][name] = row = {"alone_ms": (time.perf_counter() - t0) / 5 * 1e3}
+        res["jobs"][name] = row = {"alone_ms": (time.perf_counter() - t0) / 5 * 1e3,
+                                   "alone_in_a_process_ms": one_by_one(procs, job, payload)}
         for mode, pool in (("loop", None), ("thread", threads), ("process", procs)):
             row[mode] = uvloop.run(measure(job, payload, pool, args.seconds, args.clients))
             late, took = row[mode]["loop_wait_ms"], row[mode]["job_ms"]
             print(f"{name:14s} {mode:8s} loop wait p50 {late['p50']:6.2f} p99 {late['p99']:6.2f} max "
                   f"{late['max']:6.2f} ms; job p50 {took['p50']:6.2f} ms, {row[mode]['jobs_per_s']:6.1f}/s "
-                  f"(alone {row['alone_ms']:.2f} ms)", flush=True)
+                  f"(alone {row['alone_ms']:.2f} ms, alone in a process {row['alone_in_a_process_ms']:.2f})",
+                  flush=True)
     procs.shutdown()
     write_result(res, args.out)
 

@@ -38,12 +38,14 @@ import numpy as np
 import orjson
 
 from pergola.gateway.errors import GatewayError, bad_request
+from pergola.memory import trim
 
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")
 PARSE_BYTES = 64 << 10  # a request body of at least this many bytes is parsed in a worker (module docstring)
 RENDER_VALUES = 16_384  # an answer of at least this many numbers (or tokens) is rendered in a worker
-TRIM_BYTES = 8 << 20  # a job whose answer is this large trims the worker's heap after it
+TRIM_BYTES = 8 << 20  # a worker trims its heap after a job that took or made this many bytes
+MAIN_TRIM_BYTES = 64 << 20  # the gateway trims its own after this many bytes of jobs' bodies and answers
 NICE = 5  # workers' priority below the event loop's and Triton's
 INT32_MAX = 2**31 - 1  # the largest value of an INT32 tensor, and above every vocabulary's ids
 _NUMBERS = {int, float, bool}  # what orjson makes of JSON numbers and booleans
@@ -123,15 +125,19 @@ class Refused(Exception):
         super().__init__(status, message, param)
 
 
-def _job(fn: Callable[..., T], args: tuple) -> T:
-    """fn(*args) in a worker; a large answer trims the heap after it (pergola/memory.py)."""
-    from pergola.memory import trim
+def _size(values: tuple) -> int:
+    """Bytes of the raw bodies and rendered answers among `values` (what a job takes or makes)."""
+    return sum(len(v) for v in values if isinstance(v, (bytes, bytearray)))
 
+
+def _job(fn: Callable[..., T], args: tuple) -> T:
+    """fn(*args) in a worker; after a large one the freed heap goes back to the system
+    (pergola/memory.py: glibc keeps it otherwise, 140-180 MB a worker after a 30 MB body)."""
     try:
         out = fn(*args)
     except GatewayError as e:
         raise Refused(e.status, e.message, e.param) from None
-    if isinstance(out, bytes) and len(out) >= TRIM_BYTES:
+    if _size((*args, out)) >= TRIM_BYTES:
         trim()
     return out
 
@@ -160,6 +166,7 @@ class Offload:
     def __init__(self, workers: int, queue: int) -> None:
         self.workers, self.queue = workers, queue
         self._jobs = 0  # submitted, not finished
+        self._since_trim = 0  # bytes of bodies and answers handed over since the gateway last trimmed its heap
         self._pool: ProcessPoolExecutor | None = self._new_pool() if workers > 0 else None
 
     def _new_pool(self) -> ProcessPoolExecutor:
@@ -182,7 +189,9 @@ class Offload:
         pool = self._pool
         self._jobs += 1
         try:
-            return await asyncio.wrap_future(pool.submit(_job, fn, args))
+            out = await asyncio.wrap_future(pool.submit(_job, fn, args))
+            self._after(_size((*args, out)))
+            return out
         except Refused as e:
             raise GatewayError(*e.args) from None
         except BrokenProcessPool:
@@ -190,6 +199,14 @@ class Offload:
             raise GatewayError(503, "a gateway CPU worker stopped while working on this request; retry") from None
         finally:
             self._jobs -= 1
+
+    def _after(self, size: int) -> None:
+        """Count a job's bytes; past MAIN_TRIM_BYTES trim the gateway's heap on a thread (malloc_trim
+        releases the GIL: the loop goes on meanwhile)."""
+        self._since_trim += size
+        if self._since_trim >= MAIN_TRIM_BYTES:
+            self._since_trim = 0
+            asyncio.get_running_loop().run_in_executor(None, trim)
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
         if self._pool is broken:  # (once for every job it took down)
