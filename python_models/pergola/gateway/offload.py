@@ -5,20 +5,21 @@ body or renders a 100 x 1,024-float answer, every other request waits, queries i
 runs in a worker instead: parsing a body of at least PARSE_BYTES (token ids come back as one
 int64 array, not 51,200 Python ints to convert again), rendering an answer of at least
 RENDER_VALUES numbers, and /tokenize (tokenizing and rendering). Queries stay on the loop: a
-hand-off costs ~0.3 ms, as much as parsing a 64 kB body there.
+hand-off costs ~0.5 ms, and a 64 kB body parses there in ~1.3 ms.
 
 Why processes, not threads: orjson holds the GIL for a whole call, and so does the Python that
 builds an answer, so a thread frees the loop only between bytecodes. Measured on the 2-core CPU
-host (perf/experiments/bench_offload.py; perf/RESULTS.md, History, 2026-12-06): with 4 clients
-back to back, a request arriving at a random moment waited for the loop p99 197 ms with 100 x 512
-ids parsed on the loop, 66 on a thread, 9 in a process; 70 / 24 / 10 ms rendering 100 x 1,024
-floats; 1,412 / 89 / 11 ms rendering a 100,000-token /tokenize answer.
+host (perf/experiments/bench_offload.py; perf/results/2026-12-06-3bdfdf4-cpu/notes.md), 4 clients
+back to back, what a request arriving at a random moment waited for the loop, p99: 92 ms with
+100 x 512 ids parsed on the loop, 52 on a thread, 11 in a process; 98 / 45 / 11.5 ms rendering
+100 x 1,024 floats; 1,383 / 97 / 20 ms rendering a 100,000-token /tokenize answer. Through the
+whole gateway, a query's p99 beside 4 clients sending 100 x 512 ids went from 182 to 13 ms.
 
 Bounded: `workers` processes, niced (bulk work yields the CPU to the loop and to Triton), and at
 most `queue` jobs waiting for them; a request past that gets 429 with Retry-After (load that
 passes). A worker that dies takes its pool's jobs with it: the pool is replaced and those
-requests answered 503. A job that made a large answer gives the freed heap back to the system
-(pergola/memory.py), so a worker's memory does not ratchet.
+requests answered 503. After a job that took or made 8 MB a worker gives its freed heap back to
+the system (pergola/memory.py), and the gateway does every 64 MB, so neither ratchets.
 """
 
 from __future__ import annotations
