@@ -53,7 +53,15 @@ class Gateway:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
 
     def embed(self, inputs: object, base64_out: bool = False) -> np.ndarray:
-        body = json.dumps({"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {}))
+        return self.post(self.body(inputs, base64_out), base64_out)
+
+    @staticmethod
+    def body(inputs: object, base64_out: bool = False) -> bytes:
+        """A /v1/embeddings request's JSON (built once, sent as often as wanted with `post`)."""
+        return json.dumps({"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {}),
+                          separators=(",", ":")).encode()
+
+    def post(self, body: bytes, base64_out: bool = False) -> np.ndarray:
         for attempt in range(2):  # uvicorn closes keep-alive connections idle for 5 s: reconnect once
             try:
                 self.conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})

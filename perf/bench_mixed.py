@@ -7,7 +7,9 @@ One tritonserver with the model as `bench` (its encoder `bench_encoder`) and the
 Queries, sequential, batch 1: 128 pre-tokenized tokens to the encoder over gRPC and over HTTP
 (tritonclient), a ~8-word text through the `embed` ensemble (gRPC) and through the gateway's
 /v1/embeddings. Bulk loads, four client processes each: 100 x 512 and 25 x 4,096 pre-tokenized
-tokens to the encoder (gRPC), and 100 texts of ~512 tokens through `embed`. perf/mixed.py says
+tokens to the encoder (gRPC), and 100 texts of ~512 tokens through `embed`; `--bulk-door gateway`
+sends the bulk through the gateway's /v1/embeddings instead (token ids or texts, float answers),
+so that its parsing and rendering share the gateway with the queries. perf/mixed.py says
 how each load is timed; the goal (issue: one engine for both traffic patterns) is loaded p99
 <= 3x idle p99, p50 <= 2x idle p50, and the bulk keeping >= 95% of its throughput.
 """
@@ -20,6 +22,8 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mixed  # noqa: E402
@@ -48,6 +52,21 @@ def http_ids_sender(url: str):
 
     client = httpclient.InferenceServerClient(url)
     return lambda seqs: infer_tokens(client, httpclient, seqs)
+
+
+def gateway_ids_sender(port: int):
+    """Bulk token ids to the gateway's /v1/embeddings (each request's JSON built once)."""
+    gw = Gateway(port)
+    bodies: dict[int, bytes] = {}
+
+    def send(seqs: list) -> np.ndarray:
+        if id(seqs) not in bodies:
+            bodies[id(seqs)] = gw.body([s.tolist() if hasattr(s, "tolist") else s for s in seqs])
+        return gw.post(bodies[id(seqs)])
+    return send
+
+
+gateway_text_sender = gateway_ids_sender  # (texts are JSON strings in the same field)
 
 
 def _bound(make_sender, url: str, payload):
@@ -83,6 +102,10 @@ def main() -> None:
     p.add_argument("--query-gap-ms", type=float, default=mixed.QUERY_GAP_S * 1e3,
                    help="the query client's pause between queries (sets the query rate)")
     p.add_argument("--no-gateway", action="store_true", help="Triton's doors only")
+    p.add_argument("--bulk-door", default="grpc", choices=["grpc", "gateway"],
+                   help="where the bulk processes send: Triton's gRPC port, or the gateway's /v1/embeddings")
+    p.add_argument("--queries", nargs="+", default=None, metavar="KIND",
+                   help="query kinds to time (default all: grpc_ids_128 http_ids_128 grpc_text gateway_text)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default="perf/out/mixed.json")
     args = p.parse_args()
@@ -100,15 +123,21 @@ def main() -> None:
     with pergola_stack(folder, workdir, args.device == "gpu", not args.no_gateway, gpus=gpus, max_queue_seconds=0.0,
                        **options) as (opts, gw):
         kinds = query_kinds(opts, gw, windows)
+        kinds = {k: v for k, v in kinds.items() if args.queries is None or k in args.queries}
         res["idle"] = mixed.idle_latency(kinds, args.n)
         print("idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()),
               flush=True)
-        grpc = (f"127.0.0.1:{opts.grpc_port}",)
+        through_gateway = args.bulk_door == "gateway"
+        if through_gateway and gw is None:
+            raise SystemExit("--bulk-door gateway needs the gateway (it did not answer, or --no-gateway)")
+        endpoint = (gw,) if through_gateway else (f"127.0.0.1:{opts.grpc_port}",)
+        res["bulk_door"] = args.bulk_door
         for name in args.loads:
             print(f"{name}:", flush=True)
             how, batches = mixed.bulk_batches(windows, name, procs)
-            sender = grpc_ids_sender if how == "ids" else grpc_text_sender
-            row = res["loads"][name] = mixed.run_load(kinds, sender, grpc, batches, n=args.n,
+            sender = {("ids", False): grpc_ids_sender, ("text", False): grpc_text_sender,
+                      ("ids", True): gateway_ids_sender, ("text", True): gateway_text_sender}[how, through_gateway]
+            row = res["loads"][name] = mixed.run_load(kinds, sender, endpoint, batches, n=args.n,
                                                       gap_s=args.query_gap_ms / 1e3)
             row["goal"] = mixed.verdict(res["idle"], row["loaded"], row["bulk_kept"])
     write_result(res, args.out)

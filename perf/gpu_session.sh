@@ -8,7 +8,7 @@
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
 #                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests
-#                                              # fp8_profile batch
+#                                              # fp8_profile batch mixed_gateway
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -86,6 +86,11 @@ for step in "$@"; do
     mixed)  # queries under bulk load, fifth suite: the query lane, then one lane (query_tokens=0), then vLLM
       run mixed python3 perf/bench_mixed.py --out "$OUT/mixed.json"
       run mixed_one_lane python3 perf/bench_mixed.py --option query_tokens=0 --out "$OUT/mixed_one_lane.json" ;;
+    mixed_gateway)  # queries under bulk sent through the same gateway (issue 38, item 9): an 8-word text query
+      # and 128 ids over gRPC beside 4 processes sending 100 x 512 and 25 x 4,096 token ids to /v1/embeddings
+      # (float answers), Qwen3-0.6B shape, ~4 min; goal: the text query's loaded p99 <= 3x its idle p99
+      run mixed_gateway python3 perf/bench_mixed.py --bulk-door gateway --loads ids_100x512 ids_25x4096 \
+        --queries gateway_text grpc_ids_128 -n 150 --out "$OUT/mixed_gateway.json" ;;
     mixed_rate)  # bulk kept against the query rate: the query client's pause swept, 100 x 512, ~1 min each
       for gap in 2 10 30; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
@@ -250,7 +255,7 @@ for step in "$@"; do
          "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
          "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
          "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests fp8_profile)" >&2
+         "streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests fp8_profile mixed_gateway)" >&2
        exit 2 ;;
   esac
 done

@@ -65,9 +65,11 @@ def _rate(done: list[tuple[float, int]], start: float, end: float) -> float:
 
 def run_load(kinds: QueryKinds, make_sender: Callable, endpoint: tuple, bulk_batches: list[list],
              *, n: int = 150, idle_s: float = 2.0, warm_s: float = 1.5, alone_s: float = 5.0,
-             gap_s: float = QUERY_GAP_S, log: Callable[[str], None] = print) -> dict:
+             gap_s: float = QUERY_GAP_S, loaded_s: float | None = None, log: Callable[[str], None] = print) -> dict:
     """One bulk load: `bulk_batches[p]` are process p's requests (sent in a loop); the query
-    client sleeps `gap_s` between its queries (the query rate sets what the bulk work loses)."""
+    client sleeps `gap_s` between its queries (the query rate sets what the bulk work loses).
+    `loaded_s`: each kind's loaded queries go on for at least that long (bulk requests that take
+    seconds each), past `n` if need be."""
     calls = {kind: factory() for kind, factory in kinds.items()}
     first = next(iter(calls))
     for call in calls.values():  # warm every path (graph capture, connections) before timing
@@ -88,7 +90,7 @@ def run_load(kinds: QueryKinds, make_sender: Callable, endpoint: tuple, bulk_bat
     time.sleep(warm_s)
     t_loaded = time.time()
     for kind, call in calls.items():
-        points += _queries(kind, call, n=n, gap_s=gap_s)
+        points += _queries(kind, call, n=n, seconds=loaded_s, gap_s=gap_s)
     t_alone = time.time()
     time.sleep(alone_s)
     t_stop = time.time()

@@ -250,12 +250,13 @@ async def make_call(variant: str, grpc_url: str, http_url: str, ids, lengths):
         return call, client.close
     if variant in ("backend_real", "backend_grpc"):
         from pergola.gateway.backend import EmbedOptions
+        from pergola.gateway.offload import token_ids
         from pergola.gateway.options import GatewayOptions
         from pergola.gateway.state import Gateway
 
         http_port = "0" if variant == "backend_grpc" else http_url.rsplit(":", 1)[1]
         gw = Gateway(GatewayOptions(triton=grpc_url, triton_http_port=http_port, models="bench"))
-        as_list = [ids[0].tolist()]
+        as_list = token_ids([ids[0].tolist()], "input")
 
         async def call():
             model = await gw.model("bench", "embed")

@@ -19,6 +19,7 @@ class TritonPythonModel(TokenizerAdapter):
     def _tokens(self, request, inputs: RequestInputs, texts: list) -> "pb_utils.InferenceResponse":
         """Asked for TOKEN_TEXT (the gateway's /tokenize): every token, untruncated, with its text."""
         add_special = optional_scalar(inputs, request, "ADD_SPECIAL_TOKENS")
+        self.trimmer.after(sum(map(len, texts)) * 64)  # a str, a bytes and an object slot per token, and copies
         tokens = self.tokenizer.tokenize(texts, prompt_name=optional_scalar(inputs, request, "PROMPT_NAME"),
                                          add_special_tokens=True if add_special is None else bool(add_special))
         return pb_utils.InferenceResponse([

@@ -55,6 +55,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
                 yield
         finally:
             gateway.backend.tokenizers.close()
+            gateway.offload.close()
             await gateway.pool.close()
 
     keys = Keys(api_keys(opts))

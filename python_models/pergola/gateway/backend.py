@@ -22,7 +22,6 @@ import contextlib
 import re
 from dataclasses import dataclass, replace
 from functools import partial
-from itertools import chain
 from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -36,6 +35,7 @@ from pergola.gateway.admission import Admission, Ticket, lengths, refused_later,
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
 from pergola.gateway.metrics import INPUTS
+from pergola.gateway.offload import TokenIds
 from pergola.gateway.replicas import Replica, ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
@@ -461,27 +461,23 @@ class Backend:
         with self._admitted(model, chars) as work:
             return await self._here_or_ensemble(model, texts, here, ensemble)
 
-    async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
+    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedOptions) -> Embedded:
         """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""
         output, dtype = OUTPUTS[opts.encoding]
-        sizes = [len(t) for t in ids]
+        offsets = ids.offsets()
 
         async def one(start: int, end: int) -> np.ndarray:
-            part = ids[start:end]
-            lengths = np.array([sizes[start:end]], dtype=np.int32)
-            count = int(lengths.sum())
-            # (chain: 4 us for 128 ids, a generator expression 10; 1.5 against 2.8 ms for 100 x 512)
-            flat = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=count)[None, :]
-            inputs = [Tensor("INPUT_IDS", flat, "INT64"), Tensor("LENGTHS", lengths, "INT32"),
-                      *_option_inputs(opts, [1, 1])]
-            result = await self._encode(model, inputs, [output], count, work)
+            lengths = ids.lengths[None, start:end]
+            inputs = [Tensor("INPUT_IDS", ids.flat[None, offsets[start]:offsets[end]], "INT64"),
+                      Tensor("LENGTHS", lengths, "INT32"), *_option_inputs(opts, [1, 1])]
+            result = await self._encode(model, inputs, [output], int(offsets[end] - offsets[start]), work)
             work.answered(None, lengths)
             return result.as_numpy(output).view(dtype)
 
-        with self._admitted(model, tokens=sum(sizes)) as work:
-            spans = chunks(sizes, self.chunk_texts, self.chunk_chars)
+        with self._admitted(model, tokens=int(ids.flat.size)) as work:
+            spans = chunks(ids.lengths.tolist(), self.chunk_texts, self.chunk_chars)
             parts = await self._chunked([lambda a=a, b=b: one(a, b) for a, b in spans])
-        return Embedded(np.concatenate(parts), np.array(sizes, dtype=np.int32))
+        return Embedded(np.concatenate(parts), ids.lengths)
 
     async def tokenize(self, model: ServedModel, texts: list[str], prompt_name: str | None,
                        add_special_tokens: bool) -> Tokenized:

@@ -1,5 +1,12 @@
-"""The HTTP side shared by every route: reading a JSON body within its limit, typed fields
-whose errors name the field, the API key, and answering in the route family's envelope."""
+"""The HTTP side shared by every route: reading a JSON body within its limit (a large one parsed
+in a CPU worker, gateway/offload.py), typed fields whose errors name the field, the API key, and
+answering in the route family's envelope (a large answer rendered in a CPU worker).
+
+Integer fields are checked as numbers before anything uses them: an integer (not a boolean, not a
+decimal) in the field's range, else 400 naming it. orjson reads integers up to 2^64 - 1 as int
+and larger ones as float; an INT32 tensor would wrap 2^32 + 128 to 128, and numpy refuses 2^63
+with an OverflowError (a 500), so the range is checked here.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +18,14 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError
+from pergola.errors import MESSAGE_CHARS, RequestError, bounded, quote
 from pergola.gateway.errors import GatewayError, bad_request, refused
+from pergola.gateway.offload import INT32_MAX, PARSE_BYTES, RENDER_VALUES, Offload, TokenIds, parse_body, render
 
 log = logging.getLogger("pergola.gateway")
 CLIENT_GONE = 499  # nginx's status for a request whose client left first: counted, never sent
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
-               list: "a list", dict: "an object"}
+               list: "a list", dict: "an object", TokenIds: "token ids"}
 
 
 class JSONResponse(Response):
@@ -49,14 +57,22 @@ class Body:
             raise GatewayError(422, f"`{name}` must be {wanted}, got {type(value).__name__}", name)
         return value
 
-    def positive(self, name: str) -> int | None:
-        value = self.get(name, int)
-        if value is not None and value < 1:
-            raise GatewayError(422, f"`{name}` must be at least 1, got {value}", name)
+    def count(self, name: str, most: int = INT32_MAX) -> int | None:
+        """A positive integer field, at most `most` (what an INT32 tensor holds): 400 naming it
+        for anything else, booleans and decimals included."""
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if type(value) is not int or not 1 <= value <= most:
+            shown = "true or false" if isinstance(value, bool) else quote(value)
+            raise bad_request(f"`{name}` must be an integer from 1 to {most:,}, got {shown}", name)
         return value
 
 
-async def read_body(request: Request, max_bytes: int) -> Body:
+async def read_body(request: Request, max_bytes: int, offload: Offload | None = None,
+                    ids_field: str | None = None) -> Body:
+    """The JSON body (413 over `max_bytes`), its `ids_field` as TokenIds when it holds token ids;
+    a body of PARSE_BYTES or more is parsed in a CPU worker (gateway/offload.py)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise GatewayError(413, f"the request body is {int(declared):,} bytes; the limit is {max_bytes:,} "
@@ -71,10 +87,17 @@ async def read_body(request: Request, max_bytes: int) -> Body:
     except ClientDisconnect:  # an aborted upload (or --body-timeout-s): nobody is left to answer
         log.info("%s %s: the client left after %d bytes of its body", request.method, request.url.path, len(raw))
         raise GatewayError(CLIENT_GONE, "the client left before sending the whole body") from None
-    try:
-        return Body(orjson.loads(raw))
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if offload is not None and len(raw) >= PARSE_BYTES:
+        return Body(await offload.run(parse_body, raw, ids_field))
+    return Body(parse_body(raw, ids_field))
+
+
+async def answer(offload: Offload, values: int, build: Callable[..., Any], *args: Any,
+                 headers: dict[str, str] | None = None) -> Response:
+    """build(*args) as the JSON answer: rendered on the loop when it holds fewer than
+    RENDER_VALUES numbers (`values`), else in a CPU worker (gateway/offload.py)."""
+    content = render(build, *args) if values < RENDER_VALUES else await offload.run(render, build, *args)
+    return Response(content, media_type=JSONResponse.media_type, headers=headers)
 
 
 class Keys:
@@ -98,9 +121,12 @@ Handler = Callable[[Request], Awaitable[Any]]
 
 def error_response(exc: GatewayError | RequestError, family: str) -> Response:
     """An error in `family`'s envelope; the engine's own input checks (RequestError, run here
-    before any work) are 413 when a limit was passed, else 400."""
+    before any work) are 413 when a limit was passed, else 400. The message is cut to
+    pergola.errors.MESSAGE_CHARS: the last guard against echoing what a client sent."""
     if isinstance(exc, RequestError):
         exc = refused(str(exc))
+    if len(exc.message) > MESSAGE_CHARS:
+        exc = GatewayError(exc.status, bounded(exc.message), exc.param)
     return JSONResponse(exc.body(family), status_code=exc.status, headers=exc.headers())
 
 

@@ -18,11 +18,13 @@ from typing import Any, Callable
 
 import numpy as np
 from starlette.requests import Request
+from starlette.responses import Response
 
-from pergola.errors import RequestError, read_strings
+from pergola.errors import RequestError, quote, read_strings
 from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
 from pergola.gateway.errors import GatewayError
-from pergola.gateway.http import Body, read_body
+from pergola.gateway.http import Body, answer
+from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
 from pergola.tokenization import truncate_mode
 
@@ -62,50 +64,46 @@ def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
     input_type = body.get("input_type", str)
     if input_type is not None:
         if input_type not in INPUT_TYPES:
-            raise GatewayError(422, f"`input_type` must be one of {', '.join(INPUT_TYPES)}, got {input_type!r}",
+            raise GatewayError(422, f"`input_type` must be one of {', '.join(INPUT_TYPES)}, got {quote(input_type)}",
                                "input_type")
         if prompt is not None and prompt != INPUT_TYPES[input_type]:
             raise GatewayError(422, "send `prompt_name` or `input_type`, not both", "input_type")
         prompt = INPUT_TYPES[input_type]
-    return EmbedOptions(prompt_name=prompt, dimensions=body.positive("dimensions"), truncate=truncate_option(body),
-                        max_tokens=body.positive("max_tokens"), normalize=body.get("normalize", bool),
+    return EmbedOptions(prompt_name=prompt, dimensions=body.count("dimensions"), truncate=truncate_option(body),
+                        max_tokens=body.count("max_tokens"), normalize=body.get("normalize", bool),
                         encoding=EMBEDDING_TYPES[embedding_type][0])
 
 
-def token_lists(value: list) -> list[list[int]] | None:
-    """`input` as token-id lists, or None when it holds strings."""
-    if value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        return [value]
-    if value and all(isinstance(x, list) for x in value):
-        if not all(t and all(isinstance(i, int) and not isinstance(i, bool) for i in t) for t in value):
-            raise GatewayError(422, "`input` as token ids must be non-empty lists of integers", "input")
-        return value
-    return None
+def embeddings_answer(name: str, values: np.ndarray, as_base64: bool, tokens: int) -> dict[str, Any]:
+    """The answer's JSON content: `values` [n, dim] a row per input (base64 of its bytes, or the numbers)."""
+    rows = [base64.b64encode(row.tobytes()).decode() for row in values] if as_base64 else values
+    return {"object": "list", "model": name,
+            "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def embeddings(gw: Gateway, request: Request) -> dict[str, Any]:
-    body = await read_body(request, gw.opts.max_body_bytes)
+async def embeddings(gw: Gateway, request: Request) -> Response:
+    body = await gw.body(request, ids_field="input")
     model = await gw.model(body.get("model", str), "embed")
-    raw = body.get("input", (str, list), required=True)
+    raw = body.get("input", (str, list, TokenIds), required=True)
     embedding_type = body.get("embedding_type", str, "float")
     if embedding_type not in EMBEDDING_TYPES:
         raise GatewayError(422, f"`embedding_type` must be one of {', '.join(EMBEDDING_TYPES)}, "
-                                f"got {embedding_type!r}", "embedding_type")
+                                f"got {quote(embedding_type)}", "embedding_type")
     encoding_format = body.get("encoding_format", str, "float")
     if encoding_format not in ("float", "base64"):
-        raise GatewayError(422, f"`encoding_format` must be float or base64, got {encoding_format!r}",
+        raise GatewayError(422, f"`encoding_format` must be float or base64, got {quote(encoding_format)}",
                            "encoding_format")
     opts = embed_options(body, embedding_type)
-    ids = token_lists(raw) if isinstance(raw, list) else None
-    if ids is not None:
+    if isinstance(raw, TokenIds):  # (gw.body reads token ids so: checked, flat)
         if opts.prompt_name is not None or opts.truncate is not None or opts.max_tokens is not None:
             raise GatewayError(422, "token-id input is sent as it is: no prompt_name, input_type, truncate or "
                                     "max_tokens")
         limits = model.text_limits()
-        if len(ids) > limits.max_count:
-            raise GatewayError(413, f"{len(ids):,} inputs in one request; the limit is {limits.max_count:,} "
+        if len(raw.lengths) > limits.max_count:
+            raise GatewayError(413, f"{len(raw.lengths):,} inputs in one request; the limit is {limits.max_count:,} "
                                     "(max_texts): split them over several requests")
-        out: Embedded = await gw.backend.embed_tokens(model, ids, opts)
+        out: Embedded = await gw.backend.embed_tokens(model, raw, opts)
     else:
         texts = [raw] if isinstance(raw, str) else raw
         if not all(isinstance(t, str) for t in texts):
@@ -115,12 +113,8 @@ async def embeddings(gw: Gateway, request: Request) -> dict[str, Any]:
         except TooLong as e:
             raise too_long(e, "input", 'send "truncate": "END" (or "START") to cut it') from None
     values = EMBEDDING_TYPES[embedding_type][1](out.vectors)
-    encode: Callable[[np.ndarray], Any] = (lambda row: base64.b64encode(row.tobytes()).decode()) \
-        if encoding_format == "base64" else (lambda row: row)
-    tokens = int(out.tokens.sum())
-    return {"object": "list", "model": model.name,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(row)} for i, row in enumerate(values)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return await answer(gw.offload, values.size, embeddings_answer, model.name, values, encoding_format == "base64",
+                        int(out.tokens.sum()))
 
 
 async def models(gw: Gateway, request: Request) -> dict[str, Any]:

@@ -88,3 +88,12 @@ class GatewayOptions:
                                            "calls of about this many characters (within the model's max_texts "
                                            "and max_request_chars): large calls ride the encoders' bulk lane, "
                                            "behind every query")
+    gateway_cpu_workers: int = option(2, "worker processes for the gateway's bulk CPU work, off its event loop: "
+                                         "parsing bodies of 64 kB or more, rendering answers of 16,384 numbers "
+                                         "or more, /tokenize; 0: all of it on the event loop")
+    gateway_cpu_queue: int = option(64, "bulk requests that may wait for a CPU worker; one more gets 429 with "
+                                        "Retry-After")
+    max_tokenize_chars: int = option(1_000_000, "most characters in all of a /tokenize request's texts (413 "
+                                                "above it): its answer, a JSON object per token, takes ~14 bytes "
+                                                "a character of English text and up to ~64 for text of "
+                                                "one-character tokens")

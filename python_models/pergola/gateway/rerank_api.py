@@ -27,7 +27,7 @@ from starlette.requests import Request
 from pergola.errors import StringLimits, read_strings
 from pergola.gateway.backend import Reranked, RerankOptions, TooLong
 from pergola.gateway.errors import GatewayError
-from pergola.gateway.http import Body, read_body
+from pergola.gateway.http import Body
 from pergola.gateway.openai_api import too_long, truncate_option
 from pergola.gateway.state import Gateway
 
@@ -43,7 +43,7 @@ def rerank_options(body: Body, truncate: str | None, max_document_tokens: str | 
     """What a rerank body asks beyond query and documents (`truncate`: the mode, as its API sends it;
     `raw_scores`: logits rather than their sigmoid)."""
     return RerankOptions(truncate=truncate, instruction=body.get("instruction", str), raw_scores=raw_scores,
-                         max_document_tokens=body.positive(max_document_tokens) if max_document_tokens else None)
+                         max_document_tokens=body.count(max_document_tokens) if max_document_tokens else None)
 
 
 async def scores_of(gw: Gateway, body: Body, documents_field: str,
@@ -69,13 +69,13 @@ async def scores_of(gw: Gateway, body: Body, documents_field: str,
 
 async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
     opts = rerank_options(body, truncate_option(body), "max_tokens_per_doc")
+    top_n = body.count("top_n")  # (more than the documents: all of them, as Cohere answers)
+    with_docs = body.get("return_documents", bool, False)
     try:
         docs, out = await scores_of(gw, body, "documents", opts)
     except TooLong as e:
         raise too_long(e, "documents", 'send "truncate": "END" (or "START") to cut it') from None
     scores = out.scores
-    top_n = body.positive("top_n")
-    with_docs = body.get("return_documents", bool, False)
     results = []
     for i in best_first(scores, top_n):
         item: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
@@ -88,12 +88,12 @@ async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
 
 
 async def rerank_route(gw: Gateway, request: Request) -> dict[str, Any]:
-    return await rerank(gw, await read_body(request, gw.opts.max_body_bytes))
+    return await rerank(gw, await gw.body(request))
 
 
 async def nim_ranking(gw: Gateway, request: Request) -> dict[str, Any]:
     """NIM's /v1/ranking: every passage's logit, best first (NIM's `truncate` is NONE or END)."""
-    body = await read_body(request, gw.opts.max_body_bytes)
+    body = await gw.body(request)
     opts = rerank_options(body, truncate_option(body), raw_scores=True)
     try:
         _, out = await scores_of(gw, body, "passages", opts)

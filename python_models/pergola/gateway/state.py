@@ -7,11 +7,16 @@ import logging
 import time
 from pathlib import Path
 
+from starlette.requests import Request
+
 from pergola.admin import read_token
+from pergola.errors import quote
 from pergola.gateway.admission import Admission
 from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
 from pergola.gateway.errors import GatewayError
+from pergola.gateway.http import Body, read_body
+from pergola.gateway.offload import Offload
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.replicas import ReplicaPool, http_ports, split_target
 from pergola.gateway.tokenizers import LocalTokenizers
@@ -51,10 +56,17 @@ class Gateway:
                                keys[0] if keys else None,
                                LocalTokenizers(opts.triton_repository, opts.gateway_tokenize_chars),
                                Admission(opts.request_timeout_s, opts.queue_bound_s), opts.chunk_window)
+        self.offload = Offload(opts.gateway_cpu_workers, opts.gateway_cpu_queue)  # bulk CPU work (offload.py)
+        self.offload.warm()
         self.started = int(time.time())
         self._models: dict[str, ServedModel] = {}
         self._looked_at = float("-inf")
         self._lock = asyncio.Lock()
+
+    async def body(self, request: Request, ids_field: str | None = None) -> Body:
+        """The request's JSON body within --max-body-bytes (a large one parsed in a CPU worker,
+        its `ids_field` as TokenIds when it holds token ids)."""
+        return await read_body(request, self.opts.max_body_bytes, self.offload, ids_field)
 
     async def catalog(self, max_age_s: float = 10.0) -> dict[str, ServedModel]:
         """The served models, looked up again when the last look is `max_age_s` old."""
@@ -82,10 +94,10 @@ class Gateway:
             raise GatewayError(503, "no Triton replica answers with a served model yet; retry shortly")
         if name not in models:
             served = ", ".join(m for m, v in models.items() if v.task == task) or "none"
-            raise GatewayError(404, f"model {name!r} is not served here; models for this route: {served}", "model")
+            raise GatewayError(404, f"model {quote(name)} is not served here; models for this route: {served}", "model")
         model = models[name]
         if model.task != task:
-            raise GatewayError(400, f"model {name!r} is a{'n' if model.task == 'embed' else ''} {model.task} "
+            raise GatewayError(400, f"model {quote(name)} is a{'n' if model.task == 'embed' else ''} {model.task} "
                                     f"model; this route needs a{'n' if task == 'embed' else ''} {task} model",
                                "model")
         return model

@@ -26,21 +26,26 @@ holds. Token counts come back in the `x-total-tokens` header.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Sequence
 
 import numpy as np
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError, read_strings
-from pergola.gateway import rerank_api
+from pergola.errors import RequestError, quote, read_strings
+from pergola.gateway import rerank_api, tokenizers
 from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
-from pergola.gateway.http import Body, JSONResponse, Keys, error_response, read_body
+from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
+from pergola.gateway.offload import as_is
 from pergola.gateway.state import Gateway
+from pergola.hf_folder import ModelFolderError
 from pergola.token_outputs import check_outputs
 
+log = logging.getLogger("pergola.gateway")
 VERSION = "pergola-gateway"
 
 
@@ -49,7 +54,8 @@ def _truncation(body: Body, model: ServedModel) -> str | None:
     given = body.get("truncation_direction", str, "Right")
     direction = given.lower()
     if direction not in ("left", "right"):
-        raise GatewayError(422, f"truncation_direction must be Left or Right, got {given!r}", "truncation_direction")
+        raise GatewayError(422, f"truncation_direction must be Left or Right, got {quote(given)}",
+                           "truncation_direction")
     side = "START" if direction == "left" else "END"
     truncate = body.get("truncate", bool)
     if truncate is None:  # the model's default decides whether to cut, the request from which side
@@ -68,7 +74,7 @@ async def text_inputs(gw: Gateway, request: Request, task: str = "embed",
                       field: str = "inputs") -> tuple[Body, ServedModel, list[str]]:
     """A body of texts for a `task` model: the body, the model it names, its `field` (a string or
     strings) checked against the limits."""
-    body = await read_body(request, gw.opts.max_body_bytes)
+    body = await gw.body(request)
     model = await gw.model(body.get("model", str), task)
     raw = body.get(field, (str, list), required=True)
     texts = [raw] if isinstance(raw, str) else raw
@@ -77,15 +83,16 @@ async def text_inputs(gw: Gateway, request: Request, task: str = "embed",
     return body, model, read_strings(texts, field, "text", model.text_limits())
 
 
-async def embed(gw: Gateway, request: Request) -> Any:
+async def embed(gw: Gateway, request: Request) -> Response:
     body, model, texts = await text_inputs(gw, request)
-    opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.positive("dimensions"),
+    opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.count("dimensions"),
                         normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
     try:
         out = await gw.backend.embed(model, texts, opts)
     except TooLong as e:
         raise _too_long(e, "inputs") from None
-    return JSONResponse(out.vectors, headers={"x-total-tokens": str(int(out.tokens.sum()))})
+    return await answer(gw.offload, out.vectors.size, as_is, out.vectors,
+                        headers={"x-total-tokens": str(int(out.tokens.sum()))})
 
 
 async def _per_token(gw: Gateway, request: Request, output: str) -> tuple[PerToken, dict[str, str]]:
@@ -100,17 +107,22 @@ async def _per_token(gw: Gateway, request: Request, output: str) -> tuple[PerTok
     return out, {"x-total-tokens": str(int(out.tokens.sum()))}
 
 
-async def embed_sparse(gw: Gateway, request: Request) -> Any:
+def sparse_answer(sparse: list[tuple[np.ndarray, np.ndarray]]) -> list[list[dict[str, Any]]]:
+    """/embed_sparse's answer: per text, {index: token id, value: weight} for each of its ids."""
+    return [[{"index": i, "value": v} for i, v in zip(ids.tolist(), values.tolist())] for ids, values in sparse]
+
+
+async def embed_sparse(gw: Gateway, request: Request) -> Response:
     """TEI's /embed_sparse: each input's lexical weights, {index: token id, value}, ids ascending."""
     out, headers = await _per_token(gw, request, "sparse")
-    return JSONResponse([[{"index": int(i), "value": float(v)} for i, v in zip(ids.tolist(), values.tolist())]
-                         for ids, values in out.sparse], headers=headers)
+    return await answer(gw.offload, sum(len(ids) for ids, _ in out.sparse), sparse_answer, out.sparse,
+                        headers=headers)
 
 
-async def embed_all(gw: Gateway, request: Request) -> Any:
+async def embed_all(gw: Gateway, request: Request) -> Response:
     """TEI's /embed_all: each input's token vectors (bge-m3's ColBERT vectors)."""
     out, headers = await _per_token(gw, request, "colbert")
-    return JSONResponse([vectors.tolist() for vectors in out.colbert], headers=headers)
+    return await answer(gw.offload, sum(v.size for v in out.colbert), as_is, out.colbert, headers=headers)
 
 
 async def tei_rerank(gw: Gateway, body: Body) -> JSONResponse:
@@ -146,7 +158,7 @@ def _sequences(raw: object) -> tuple[list[str], list[str | None], bool]:
 
 async def predict(gw: Gateway, request: Request) -> Any:
     """TEI's /predict: each input's labels with their probabilities (logits with raw_scores), best first."""
-    body = await read_body(request, gw.opts.max_body_bytes)
+    body = await gw.body(request)
     model = await gw.model(body.get("model", str), "classify")
     texts, pairs, batched = _sequences(body.get("inputs", (str, list), required=True))
     texts = read_strings(texts, "inputs", "text", model.text_limits())
@@ -169,7 +181,7 @@ async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
     key is checked once the body says which envelope an error goes in)."""
     family = "cohere"
     try:
-        body = await read_body(request, gw.opts.max_body_bytes)
+        body = await gw.body(request)
         family = "tei" if "texts" in body.data else "cohere"
         keys.check(request)
         if family == "tei":
@@ -179,17 +191,56 @@ async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
         return error_response(e, family)
 
 
-async def tokenize(gw: Gateway, request: Request) -> list[list[dict[str, Any]]]:
+TOKENS_PER_PART = 65_536  # /tokenize renders this many tokens at a time (their dicts live at once)
+
+
+def tokens_json(ids: np.ndarray, lengths: np.ndarray, pieces: Sequence[str | bytes], offsets: np.ndarray) -> bytes:
+    """TEI's /tokenize answer: per text, its tokens as {id, text, special, start, stop}. Rendered
+    TOKENS_PER_PART at a time: a million tokens as dicts at once would hold ~250 MB."""
+    def part(a: int, b: int) -> bytes:
+        return orjson.dumps([
+            {"id": i, "text": p if isinstance(p, str) else p.decode("utf-8"), "special": start < 0,
+             "start": None if start < 0 else start, "stop": None if start < 0 else stop}
+            for i, p, (start, stop) in zip(ids[a:b].tolist(), pieces[a:b], offsets[a:b].tolist())])[1:-1]
+
+    texts, start = [], 0
+    for n in lengths.tolist():
+        parts = [part(a, min(a + TOKENS_PER_PART, start + n)) for a in range(start, start + n, TOKENS_PER_PART)]
+        texts.append(b"[" + b",".join(parts) + b"]")
+        start += n
+    return b"[" + b",".join(texts) + b"]"
+
+
+def tokenize_here(model: ServedModel, folder: str, texts: list[str], prompt_name: str | None,
+                  add_special_tokens: bool) -> bytes:
+    """/tokenize's answer made in a CPU worker (gateway/offload.py) with the served version's
+    files: the tokens as NAME_tokenizer makes them, rendered."""
+    tokens = tokenizers.loaded(model, folder).tokenize(texts, prompt_name, add_special_tokens)
+    return tokens_json(tokens.input_ids, tokens.lengths, tokens.pieces, tokens.offsets)
+
+
+async def tokenize(gw: Gateway, request: Request) -> Response:
     """TEI's /tokenize: each input's tokens as the served model's tokenizer makes them (its
-    prompt first, untruncated): {id, text, special, start, stop}, offsets in characters."""
+    prompt first, untruncated): {id, text, special, start, stop}, offsets in characters. With the
+    repository at hand a CPU worker tokenizes and renders (nothing of it on the event loop), else
+    NAME_tokenizer tokenizes. Over --max-tokenize-chars: 413 before any work."""
     body, model, texts = await text_inputs(gw, request)
-    out = await gw.backend.tokenize(model, texts, body.get("prompt_name", str),
-                                    body.get("add_special_tokens", bool, True))
-    tokens = [{"id": int(i), "text": piece.decode("utf-8"), "special": bool(start < 0),
-               "start": None if start < 0 else int(start), "stop": None if start < 0 else int(stop)}
-              for i, piece, (start, stop) in zip(out.ids, out.pieces, out.offsets)]
-    ends = np.cumsum(out.lengths)
-    return [tokens[end - n:end] for n, end in zip(out.lengths.tolist(), ends.tolist())]
+    chars, limit = sum(map(len, texts)), gw.opts.max_tokenize_chars
+    if chars > limit:
+        raise GatewayError(413, f"/tokenize of {chars:,} characters; the limit is {limit:,} (--max-tokenize-chars): "
+                                f"its answer, an object per token, would take ~{chars * 14 / 1e6:,.0f} MB of JSON "
+                                f"(up to ~{chars * 64 / 1e6:,.0f} MB); send fewer or shorter texts", "inputs")
+    prompt_name, add_special = body.get("prompt_name", str), body.get("add_special_tokens", bool, True)
+    folder = gw.backend.tokenizers.folder(model)
+    if folder is not None:
+        try:
+            content = await gw.offload.run(tokenize_here, model, str(folder), texts, prompt_name, add_special)
+            return Response(content, media_type=JSONResponse.media_type)
+        except (OSError, ModelFolderError) as e:  # (that version's files are gone: Triton's tokenizer has the new one)
+            log.warning("cannot tokenize %s in the gateway, asking Triton's tokenizer: %s", model.name, e)
+            gw.backend.tokenizers.stale(model)
+    out = await gw.backend.tokenize(model, texts, prompt_name, add_special)
+    return await answer(gw.offload, len(out.ids), tokens_json, out.ids, out.lengths, out.pieces, out.offsets)
 
 
 async def info(gw: Gateway, request: Request) -> dict[str, Any]:

@@ -91,14 +91,16 @@ class LocalTokenizers:
         catalog names the new version."""
         self._ready[(model.target, model.version or "")] = None
 
+    def folder(self, model: ServedModel) -> Path | None:
+        """The files of `model`'s served version (its encoder's hf/ folder) when this gateway
+        reads the repository and they are not known to be gone; else None."""
+        key = (model.target, model.version or "")
+        if self.repository is None or model.version is None or key in self._ready and self._ready[key] is None:
+            return None
+        return files(self.repository, model)
+
     def _load(self, model: ServedModel) -> Tokenizer:
-        folder = self.repository / f"{model.target}_encoder" / str(model.version) / "hf"  # type: ignore[operator]
-        cfg = EngineConfig(**{**model.settings, "model_dir": str(folder)})
-        if model.task == "rerank":  # as rerank_tokenizer/model.py builds it
-            return RerankTokenizer(cfg.spec(), config=cfg)
-        if model.task == "classify":  # as classify_tokenizer/model.py
-            return ClassifyTokenizer(cfg.spec(), cfg.text_limits())
-        return TextTokenizer(cfg.spec(), model.text_limits())  # as tokenizer/model.py
+        return load(model, files(self.repository, model))  # type: ignore[arg-type]
 
     def _loaded(self, key: Key, task: asyncio.Task) -> None:
         del self._loading[key]
@@ -109,3 +111,31 @@ class LocalTokenizers:
             log.warning("cannot tokenize %s (version %s) in the gateway, its texts go through Triton's "
                         "tokenizer: %s", key[0], key[1], error)
         self._ready.setdefault(key, None if error is not None else task.result())  # (unless stale by now)
+
+
+def files(repository: Path, model: ServedModel) -> Path:
+    """The tokenizer files of `model`'s served version: its encoder's hf/ folder."""
+    return repository / f"{model.target}_encoder" / str(model.version) / "hf"
+
+
+def load(model: ServedModel, folder: Path) -> Tokenizer:
+    """`model`'s tokenizer from its encoder's files, built as its NAME_tokenizer builds it."""
+    cfg = EngineConfig(**{**model.settings, "model_dir": str(folder)})
+    if model.task == "rerank":  # as rerank_tokenizer/model.py builds it
+        return RerankTokenizer(cfg.spec(), config=cfg)
+    if model.task == "classify":  # as classify_tokenizer/model.py
+        return ClassifyTokenizer(cfg.spec(), cfg.text_limits())
+    return TextTokenizer(cfg.spec(), model.text_limits())  # as tokenizer/model.py
+
+
+_LOADED: dict[str, Tokenizer] = {}  # a CPU worker's tokenizers by folder (gateway/offload.py), oldest first
+MAX_LOADED = 8
+
+
+def loaded(model: ServedModel, folder: str) -> Tokenizer:
+    """`model`'s tokenizer from `folder`, loaded once per process (in a CPU worker: /tokenize)."""
+    if folder not in _LOADED:
+        if len(_LOADED) >= MAX_LOADED:
+            del _LOADED[next(iter(_LOADED))]
+        _LOADED[folder] = load(model, Path(folder))
+    return _LOADED[folder]
