@@ -2,8 +2,7 @@
 embed call, the timers, the Hugging Face transformers baseline and the output check.
 
 Imported with perf/ on sys.path (`sys.path.insert(0, <perf>)`, then `from common import ...`) by
-bench_engine.py, bench_server.py, bench_vllm.py, anatomy.py, profile_step.py and
-experiments/cpu_stalls.py. A script that times on the CPU sets `common.DEVICE = "cpu"` first.
+the benchmarks beside it. A script that times on the CPU sets `common.DEVICE = "cpu"` first.
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ def time_latency(call, inputs: list, n: int, warmup: int = 3) -> dict:
 def time_latency_interleaved(calls: dict, inputs: list, n: int, warmup: int = 3) -> dict[str, dict]:
     """time_latency for several callables, one sample of each in turn: a drift during the run (GPU
     clocks, host load) then moves every column alike instead of favouring the first one measured
-    (perf/RESULTS.md History 2026-12-05 e2aaa64: one configuration measured 1.27 and 1.44 ms apart)."""
+    (perf/results/2026-12-05-e2aaa64/NOTES.md: one configuration measured 1.27 and 1.44 ms apart)."""
     for call in calls.values():
         for i in range(warmup):
             call(inputs[i % len(inputs)])

@@ -2,16 +2,18 @@
 # The GPU measurements as named steps, each writing a log + JSON under $OUT (default perf/out).
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
 # scripts/vllm_setup.sh for the vllm step):
-#     bash perf/gpu_session.sh tests engine   # one or more of: gemm profile prefetch attnlayout anatomy gputests
-#                                              # tests hardening mixed vllm_mixed gateway engine server scoring vllm vllm_inproc minilm
-#                                              # batch1 adapter fp8 archs archs_perf_bge_m3 archs_perf_modernbert
-#                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
-#                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
-#                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests
-#                                              # fp8_profile batch mixed_gateway
-#                                              # (archs_perf: both of the last two, two commands' worth)
+#     bash perf/gpu_session.sh server vllm_server      # one or more steps; --help lists them
+# perf/README.md says what each suite measures and holds the current tables.
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
+
+steps() {  # the step names: this file's case labels
+  grep -oE '^    [a-z0-9_]+\)' "${BASH_SOURCE[0]}" | tr -d ' )' | tr '\n' ' '
+}
+if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then
+  echo "usage: [OUT=DIR] bash perf/gpu_session.sh STEP...; steps: $(steps)"
+  exit 0
+fi
 
 OUT=${OUT:-perf/out}
 mkdir -p "$OUT"
@@ -29,7 +31,7 @@ run() {  # NAME COMMAND...: echo, run, keep the log, never stop the remaining st
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
 }
 
-lane_tests() {  # the query lane's GPU tests: one stream, own stream, SM margin, green contexts
+lane_tests() {  # the query lane's GPU tests
   PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
 }
 
@@ -54,10 +56,6 @@ for step in "$@"; do
           run "profile_${seqs}x${len}_$mm" python3 perf/profile_step.py --seqs "$seqs" --length "$len" --matmul "$mm"
         done
       done ;;
-    prefetch)  # experiment: L2 prefetch of the next weight vs the batch-1 matmul chain, per prefetch kernel config
-      run prefetch python3 perf/experiments/bench_prefetch.py --out "$OUT/prefetch.json" ;;
-    attnlayout)  # experiment: each attention kernel on contiguous q/k/v vs views into the qkv buffer
-      run attn_layout python3 perf/experiments/bench_attn_layout.py --shapes 4x4096 8x2048 16x1024 32x512 --out "$OUT/attn_layout.json" ;;
     anatomy)  # host vs GPU-busy time per call and kernel time by kind; start-up phases
       run anatomy python3 perf/anatomy.py --shapes 1x128 1x512 100x512 100x1024 100x4096 --out "$OUT/anatomy.json" ;;
     gputests)  # the GPU-marked engine tests only (kernels, probe, graphs, the query lane), a few minutes
@@ -96,34 +94,6 @@ for step in "$@"; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
           --query-gap-ms "$gap" --out "$OUT/mixed_gap${gap}ms.json"
       done ;;
-    trace_mixed)  # where a query's cost to the bulk work goes (kernel time added vs device idle added), in
-      # process under 100 x 512: one stream, the own stream, the own stream with 16 SMs left (~2 minutes)
-      run trace_one_stream python3 perf/experiments/trace_mixed.py --out "$OUT/trace_one_stream.json"
-      run trace_stream python3 perf/experiments/trace_mixed.py --option query_stream=1 --out "$OUT/trace_stream.json"
-      run trace_stream16 python3 perf/experiments/trace_mixed.py --option query_stream=1 --option query_sm_margin=16 \
-        --out "$OUT/trace_stream16.json" ;;
-    lanes_loop)  # in process, no server: the encode loop's query latency and bulk kept under 100 x 512 and
-      # 25 x 4,096, one stream (the default) against the queries' own stream with 0, 8, 16 or 32 SMs left
-      # to them by the bulk matmuls, or 8 or 16 SMs of a green-context split (~5 minutes)
-      run lanes_loop python3 perf/experiments/bench_lanes.py -n 300 --seconds 6 --loop-variant \
-        stream0:query_stream=1 stream8:query_stream=1,query_sm_margin=8 \
-        stream16:query_stream=1,query_sm_margin=16 stream32:query_stream=1,query_sm_margin=32 \
-        green8:query_stream=1,query_green_sms=8 green16:query_stream=1,query_green_sms=16 \
-        --out "$OUT/lanes_loop.json" ;;
-    streams)  # queries on a stream of their own (--query-stream) against one stream (the default): the lane's
-      # GPU test both ways, then bulk kept and query latency under 100 x 512 with sequential queries (2 ms
-      # apart): one stream, then the own stream with the bulk matmuls leaving 8, 16 or 32 SMs free while
-      # queries are about (--query-sm-margin; without a margin a query waited 14.8 ms in process), then
-      # the GPU split by green contexts, 8 SMs for queries (--query-green-sms), ~1 min each
-      PERGOLA_TEST_DEVICE=gpu run pytest_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
-      run mixed_one_stream python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
-        --out "$OUT/mixed_one_stream.json"
-      for margin in 8 16 32; do
-        run "mixed_stream_margin$margin" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
-          --option query_stream=True --option "query_sm_margin=$margin" --out "$OUT/mixed_stream_margin$margin.json"
-      done
-      run mixed_green8 python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \
-        --option query_stream=True --option query_green_sms=8 --out "$OUT/mixed_green8.json" ;;
     mixed_fill)  # bulk kept and query latency against the fill of a query's step (query_fill_tokens):
       # one bulk sequence of 512 or two ride along with the query, 100 x 512, ~1 min each
       for fill in 640 1152; do
@@ -159,10 +129,6 @@ for step in "$@"; do
     gateway_workers)  # the same with two gateway worker processes (16 in flight: one event loop's limit?)
       run gateway_workers python3 perf/bench_gateway.py --model qwen3-0.6b --gateway-option gateway_workers=2 \
         --out "$OUT/gateway_workers2.json" ;;
-    verify)  # the GPU tests closest to the latest fixes: capture on a fresh thread, windowed attention,
-      # graph buckets (about a minute)
-      PERGOLA_TEST_DEVICE=gpu run pytest_verify python3 -m pytest -q -ra tests/test_gpu.py tests/test_attention_backends.py \
-        tests/test_packing.py -k "capture or window or backends or bucket" ;;
     gateway_tests)  # the gateway's tests with the test server's encoders on the GPU (a few minutes)
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_gateway python3 -m pytest -q -ra tests/test_gateway.py ;;
     engine)  # engine level: start-up probe's choice vs each kernel / cuBLAS forced (Qwen3), MiniLM as chosen
@@ -199,11 +165,6 @@ for step in "$@"; do
         --option fold_norms=False ;;
     kernels)  # the kernels and GPU busy time of one batch-1 128-token forward, as shipped (~20 s)
       run profile_1x128 python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid ;;
-    recheck)  # the tests the whole suite failed on the GPU at 05e666b, after their changes (~5 minutes)
-      PERGOLA_TEST_DEVICE=gpu run pytest_recheck python3 -m pytest -q -ra \
-        tests/test_bge_m3.py tests/test_hub.py tests/test_overload.py tests/test_properties.py tests/test_fuzz.py \
-        tests/test_metrics_server.py tests/test_hardening.py \
-        tests/test_gateway.py::test_two_replicas_share_the_work_and_survive_one_dying ;;
     fp8_server)  # FP8 through tritonserver: batch-1 latency and the throughput suite, beside `server`'s BF16
       run server_fp8 python3 perf/bench_server.py --model qwen3-0.6b --suites latency throughput perf_analyzer \
         --latency-n 60 --option quantization=fp8 --out "$OUT/server_fp8.json" ;;
@@ -213,7 +174,7 @@ for step in "$@"; do
     adapter)  # where a batch-1 request's time goes between the gRPC client and the engine (Triton's trace)
       run adapter python3 perf/bench_adapter.py --model qwen3-0.6b --device gpu -n 500 --outputs EMBEDDING \
         --out "$OUT/adapter_gpu.json" ;;
-    lanetests)  # the query lane's GPU tests alone: one stream, own stream, SM margin, green contexts (~2 minutes)
+    lanetests)  # the query lane's GPU tests alone (~2 minutes)
       lane_tests ;;
     fp8_profile)  # where an FP8 step's time goes against BF16's: one 32 x 512-token step, kernels by time (~1 min)
       run profile_32x512_bf16 python3 perf/profile_step.py --seqs 32 --length 512 --steps 3
@@ -251,11 +212,7 @@ for step in "$@"; do
     archs_perf)  # both of the above, ~13 min: over one 10-minute command, so run the two steps apart there
       archs_perf bge-m3 bge_m3
       archs_perf gte-modernbert modernbert ;;
-    *) echo "unknown step $step (gemm profile prefetch attnlayout anatomy gputests tests hardening mixed vllm_mixed" \
-         "gateway engine server scoring vllm vllm_inproc minilm batch1 adapter fp8 archs archs_perf_bge_m3" \
-         "archs_perf_modernbert archs_perf archs_server vllm_server gateway_tests verify gateway_workers" \
-         "gateway_grpc tests_slice mixed_rate scaling scaling_mixed vllm_scaling recheck fp8_server mixed_fill" \
-         "streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests fp8_profile mixed_gateway)" >&2
+    *) echo "unknown step $step; the steps: $(steps)" >&2
        exit 2 ;;
   esac
 done
