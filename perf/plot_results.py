@@ -1,12 +1,14 @@
-"""Plots for perf/RESULTS.md from the JSON files of one run on the GPU machine.
+"""The plots of perf/README.md, drawn from the JSON files of one run (a perf/results folder).
 
-    python perf/plot_results.py perf/results/2026-12-02-5990553
+    python perf/plot_results.py perf/results/2026-12-06-dee4f3a
 
-Reads engine_qwen3.json (bench_engine.py), server.json and scoring.json (bench_server.py),
-vllm.json or vllm_inproc.json (bench_vllm.py) and anatomy.json (anatomy.py), mixed.json / mixed_one_lane.json (bench_mixed.py) and vLLM's
-mixed suite, scaling.json (bench_scaling.py) and vLLM's vllm_dpN.json; writes latency_batch1.png,
-throughput.png, concurrency.png, scoring.png, attention_kernels.png, anatomy.png, mixed_timeline.png
-and scaling.png next to them. A plot whose input file is missing is skipped with a note.
+Reads what the folder holds: engine_qwen3.json (bench_engine.py), server.json and scoring.json
+(bench_server.py), bench_vllm.py's suites from vllm.json, or vllm_inproc.json and vllm_server.json,
+anatomy.json (anatomy.py), mixed.json / mixed_one_lane.json (bench_mixed.py) and vLLM's mixed suite,
+scaling.json (bench_scaling.py) and vLLM's vllm_dpN.json; writes latency_batch1.png, throughput.png,
+concurrency.png, scoring.png, attention_kernels.png, anatomy.png, mixed_timeline.png and scaling.png
+next to them. Each plot draws the systems the run measured and is skipped, with a note, where pergola
+or vLLM is missing: every figure in a plot comes from the same run on the same machine.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 Json = dict[str, Any]
-SAME_RUN = "H200, same run"
 EMBED = "Qwen3-Embedding-0.6B shape"
 RERANK = "Qwen3-Reranker-0.6B shape"
 # one colour per system: dark = through a server, light = in-process
@@ -41,9 +42,31 @@ def load(folder: Path, name: str) -> Json | None:
     return json.loads(path.read_text())
 
 
+def vllm_suites(folder: Path) -> Json:
+    """bench_vllm.py's suites of this run by name (inproc, server, scoring_server, ...): vllm.json
+    (every suite), else the files of the steps that ran one or two (vllm_inproc / vllm_server)."""
+    suites: Json = {}
+    for name in ("vllm.json", "vllm_inproc.json", "vllm_server.json"):
+        if (folder / name).exists():
+            for suite, data in json.loads((folder / name).read_text()).get("suites", {}).items():
+                suites.setdefault(suite, data)
+    return suites
+
+
+def same_run(folder: Path) -> str:
+    """"<GPU>, same run" for the titles: gpu.txt's first field, else a JSON's `gpu`."""
+    if (folder / "gpu.txt").exists():
+        return (folder / "gpu.txt").read_text().split(",")[0].strip().removeprefix("NVIDIA ") + ", same run"
+    for path in sorted(folder.glob("*.json")):
+        gpu = json.loads(path.read_text()).get("gpu") if path.stat().st_size < 10**7 else None
+        if isinstance(gpu, str):
+            return gpu.split(",")[0].removeprefix("NVIDIA ") + ", same run"
+    return "same run"
+
+
 def save(fig: Figure, folder: Path, name: str) -> None:
     fig.tight_layout()
-    fig.savefig(folder / name, dpi=120)
+    fig.savefig(folder / name, dpi=72)  # small PNGs: they live in git
     plt.close(fig)
     print(f"wrote {folder / name}")
 
@@ -78,70 +101,80 @@ def latency_figure(folder: Path, name: str, groups: list[int], series: dict[str,
     save(fig, folder, name)
 
 
-def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
-    if not (srv and vl):
-        print("note: latency_batch1.png needs server.json and vllm.json; skipped")
-        return
-    vs, vi = vl["suites"]["server"]["latency"], vl["suites"]["inproc"]["latency"]
-    lengths = sorted(int(k) for k in srv["latency"])
-    series = {
-        "pergola server (Triton, gRPC)": [srv["latency"][str(n)]["pergola"] for n in lengths],
-        "vLLM server (HTTP /v1/embeddings)": [vs[str(n)]["vllm"] for n in lengths],
-    }
-    if eng:  # the engine-level run (bench_engine.py) adds pergola in-process
-        series["pergola engine (in-process, CUDA graph)"] = [eng["models"][0]["latency"][str(n)]["pergola_graph"]
-                                                             for n in lengths]
-    series["vLLM in-process (llm.embed)"] = [vi[str(n)]["vllm"] for n in lengths]
-    series["HF (transformers in-process)"] = [srv["latency"][str(n)]["hf"] for n in lengths]
-    latency_figure(folder, "latency_batch1.png", lengths, series, "tokens", (1, 300),
-                   f"{EMBED}: batch-1 latency, pre-tokenized, sequential ({SAME_RUN})")
+def both(name: str, series: dict) -> bool:
+    """Whether `series` holds pergola and vLLM (a plot of one of them alone is not drawn)."""
+    if any(k.startswith("pergola") for k in series) and any(k.startswith("vLLM") for k in series):
+        return True
+    print(f"note: {name} needs pergola and vLLM from the same run; skipped")
+    return False
 
 
-def plot_throughput(folder: Path, eng: Json | None, srv: Json | None, vl: Json | None) -> None:
-    if not (srv and vl):
-        print("note: throughput.png needs server.json and vllm.json; skipped")
-        return
-    vs, vi, ps = vl["suites"]["server"]["throughput"], vl["suites"]["inproc"]["throughput"], srv["throughput"]
-    lengths = sorted(int(k) for k in ps)
-    lines: dict[str, tuple[list[float], str]] = {
-        "pergola server (Triton, 4 client procs)": ([ps[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "s-"),
-        "vLLM server (HTTP, 4 client procs)": ([vs[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "s-"),
+def plot_latency(folder: Path, eng: Json | None, srv: Json | None, vl: Json) -> None:
+    """Batch-1 latency per length: each system the run measured (servers, in process, HF)."""
+    source = srv["latency"] if srv else eng["models"][0]["latency"] if eng else {}
+    lengths = sorted(int(k) for k in source)
+    columns = {  # label -> {length: {p50, p99, ...}}
+        "pergola server (Triton, gRPC)": {n: srv["latency"][n]["pergola"] for n in srv["latency"]} if srv else None,
+        "vLLM server (HTTP /v1/embeddings)": {n: r["vllm"] for n, r in vl["server"]["latency"].items()}
+        if "server" in vl else None,
+        "pergola engine (in-process, CUDA graph)": {n: r["pergola_graph"] for n, r in eng["models"][0]["latency"].items()}
+        if eng else None,
+        "vLLM in-process (llm.embed)": {n: r["vllm"] for n, r in vl["inproc"]["latency"].items()} if "inproc" in vl else None,
+        "HF (transformers in-process)": {n: r["hf"] for n, r in source.items() if "hf" in r} or None,
     }
+    series = {label: [col[str(n)] for n in lengths] for label, col in columns.items()
+              if col and all(str(n) in col for n in lengths)}
+    if both("latency_batch1.png", series):
+        latency_figure(folder, "latency_batch1.png", lengths, series, "tokens", (1, 300),
+                       f"{EMBED}: batch-1 latency, pre-tokenized, sequential ({same_run(folder)})")
+
+
+def plot_throughput(folder: Path, eng: Json | None, srv: Json | None, vl: Json) -> None:
+    """Embeddings/s per length, 100 texts a request: each system the run measured, and the compute limit."""
     e = eng["models"][0]["throughput"] if eng else None
-    if e:
-        lines["pergola engine (in-process)"] = ([e[str(n)]["pergola"]["embeddings_per_s"] for n in lengths], "o--")
-    lines["vLLM in-process (llm.embed)"] = ([vi[str(n)]["vllm"]["embeddings_per_s"] for n in lengths], "o--")
-    lines["HF (transformers in-process)"] = ([ps[str(n)]["hf"]["embeddings_per_s"] for n in lengths], "^-")
+    source = srv["throughput"] if srv else e or {}
+    lengths = sorted(int(k) for k in source)
+    columns = {  # label -> ({length: emb/s}, marker)
+        "pergola server (Triton, 4 client procs)": ({n: r["pergola"]["embeddings_per_s"] for n, r in srv["throughput"].items()}
+                                                    if srv else None, "s-"),
+        "vLLM server (HTTP, 4 client procs)": ({n: r["vllm"]["embeddings_per_s"] for n, r in vl["server"]["throughput"].items()}
+                                               if "server" in vl else None, "s-"),
+        "pergola engine (in-process)": ({n: r["pergola"]["embeddings_per_s"] for n, r in e.items()} if e else None, "o--"),
+        "vLLM in-process (llm.embed)": ({n: r["vllm"]["embeddings_per_s"] for n, r in vl["inproc"]["throughput"].items()}
+                                        if "inproc" in vl else None, "o--"),
+        "HF (transformers in-process)": ({n: r["hf"]["embeddings_per_s"] for n, r in source.items() if "hf" in r} or None, "^-"),
+    }
+    lines = {label: ([col[str(n)] for n in lengths], style) for label, (col, style) in columns.items()
+             if col and all(str(n) in col for n in lengths)}
+    if not both("throughput.png", lines):
+        return
     fig, ax = plt.subplots(figsize=(9, 5))
     if e:
         limit = [e[str(n)]["compute_limit_tokens_per_s"] / n for n in lengths]
         ax.plot(lengths, limit, "k--", lw=1, label="compute limit (measured matmul rate / length)")
+    annotated = [next(k for k in lines if k.startswith(name)) for name in ("pergola", "vLLM")]  # servers first
     for label, (ys, style) in lines.items():
         ax.plot(lengths, ys, style, label=label, color=COLOR[label.split(" (")[0]], ms=6)
-    for key, dy in (("pergola server (Triton, 4 client procs)", 6), ("vLLM server (HTTP, 4 client procs)", -12)):
-        for n, y in zip(lengths, lines[key][0]):
-            ax.annotate(f"{y:.0f}", (n, y), textcoords="offset points", xytext=(6, dy), fontsize=8,
-                        color=COLOR[key.split(" (")[0]])
-    if e:
-        ax.text(0.99, 0.97, "pergola server and engine lines coincide", transform=ax.transAxes,
-                ha="right", va="top", fontsize=8)
+        if label in annotated:
+            for n, y in zip(lengths, ys):
+                ax.annotate(f"{y:.0f}", (n, y), textcoords="offset points", xytext=(6, 6 if "pergola" in label else -12),
+                            fontsize=8, color=COLOR[label.split(" (")[0]])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("tokens per text (100 texts per request)")
     ax.set_ylabel("embeddings / s")
-    ax.set_title(f"{EMBED}: throughput ({SAME_RUN})")
+    ax.set_title(f"{EMBED}: throughput ({same_run(folder)})")
     ax.grid(which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
     save(fig, folder, "throughput.png")
 
 
-def plot_concurrency(folder: Path, srv: Json | None, vl: Json | None) -> None:
-    if not (srv and vl):
-        print("note: concurrency.png needs server.json and vllm.json; skipped")
+def plot_concurrency(folder: Path, srv: Json | None, vl: Json) -> None:
+    if not (srv and "server" in vl):
+        print("note: concurrency.png needs server.json and vLLM's server suite; skipped")
         return
-    runs = {"pergola server": srv["concurrency"]["pergola"],
-            "vLLM server": vl["suites"]["server"]["concurrency"]["vllm"]}
+    runs = {"pergola server": srv["concurrency"]["pergola"], "vLLM server": vl["server"]["concurrency"]["vllm"]}
     length = srv["concurrency"]["length"]
     fig, (lat, rps) = plt.subplots(1, 2, figsize=(11, 4.5))
     for label, rows in runs.items():
@@ -164,15 +197,16 @@ def plot_concurrency(folder: Path, srv: Json | None, vl: Json | None) -> None:
     rps.set_ylabel("requests / s")
     rps.set_title("throughput")
     rps.set_ylim(0, None)
-    fig.suptitle(f"{EMBED}: text requests, batch 1, {length} tokens, tokenization included ({SAME_RUN})", fontsize=11)
+    fig.suptitle(f"{EMBED}: text requests, batch 1, {length} tokens, tokenization included ({same_run(folder)})",
+                 fontsize=11)
     save(fig, folder, "concurrency.png")
 
 
-def plot_scoring(folder: Path, sc: Json | None, vl: Json | None) -> None:
-    if not (sc and vl):
-        print("note: scoring.png needs scoring.json and vllm.json; skipped")
+def plot_scoring(folder: Path, sc: Json | None, vl: Json) -> None:
+    if not (sc and "scoring_server" in vl and "scoring_inproc" in vl):
+        print("note: scoring.png needs scoring.json and vLLM's scoring suites; skipped")
         return
-    vs, vi = vl["suites"]["scoring_server"]["scoring"], vl["suites"]["scoring_inproc"]["scoring"]
+    vs, vi = vl["scoring_server"]["scoring"], vl["scoring_inproc"]["scoring"]
     batches = sorted(int(k) for k in sc["scoring"])
     series = {
         "pergola server (Triton, gRPC)": [sc["scoring"][str(b)]["pergola"] for b in batches],
@@ -181,7 +215,7 @@ def plot_scoring(folder: Path, sc: Json | None, vl: Json | None) -> None:
         "HF (transformers in-process)": [sc["scoring"][str(b)]["hf"] for b in batches],
     }
     latency_figure(folder, "scoring.png", batches, series, "pairs", (3, 400),
-                   f"{RERANK}: scoring pairs of 512 tokens, pre-tokenized, sequential ({SAME_RUN})")
+                   f"{RERANK}: scoring pairs of 512 tokens, pre-tokenized, sequential ({same_run(folder)})")
 
 
 def plot_attention(folder: Path, eng: Json | None) -> None:
@@ -213,7 +247,7 @@ def plot_attention(folder: Path, eng: Json | None) -> None:
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"{EMBED}: attention kernels, bf16, causal ({SAME_RUN})", fontsize=11)
+    fig.suptitle(f"{EMBED}: attention kernels, bf16, causal ({same_run(folder)})", fontsize=11)
     save(fig, folder, "attention_kernels.png")
 
 
@@ -248,7 +282,8 @@ def plot_anatomy(folder: Path, anatomy: Json | None) -> None:
     ax.set_xlim(0, 112)
     ax.set_xlabel("% of the wall time of one Engine.encode call (wall time at the right)")
     ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.32))
-    ax.set_title(f"{EMBED}: where an engine call spends its time (H200, perf/anatomy.py)", fontsize=10)
+    ax.set_title(f"{EMBED}: where an engine call spends its time ({same_run(folder).removesuffix(', same run')}, perf/anatomy.py)",
+                 fontsize=10)
     save(fig, folder, "anatomy.png")
 
 
@@ -285,7 +320,7 @@ def plot_mixed(folder: Path, runs: dict[str, Json | None]) -> None:
         ax.set_xlabel("seconds")
     axes[0][0].set_ylabel("query latency, ms (log)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Batch-1 query latency under bulk load, {EMBED}, {SAME_RUN}")
+    fig.suptitle(f"Batch-1 query latency under bulk load, {EMBED}, {same_run(folder)}")
     save(fig, folder, "mixed_timeline.png")
 
 
@@ -333,8 +368,7 @@ def plot_scaling(folder: Path, sc: Json | None) -> None:
 
 def main(folder: Path) -> None:
     eng, srv, sc = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json"))
-    # vLLM: the full run (bench_vllm.py), else its in-process suite alone (gpu_session.sh vllm_inproc)
-    vl = load(folder, "vllm.json") if (folder / "vllm.json").exists() else load(folder, "vllm_inproc.json")
+    vl = vllm_suites(folder)
     plots: list[Callable[[], None]] = [
         lambda: plot_latency(folder, eng, srv, vl),
         lambda: plot_throughput(folder, eng, srv, vl),
@@ -352,4 +386,7 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "perf/results/2026-12-02-5990553"))
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if len(sys.argv) == 2 else 2)
+    main(Path(sys.argv[1]))
