@@ -31,6 +31,111 @@ OUTAGE_BOUND_S = 10.0  # the issue's bound for a killed model to answer again
 QUERY = [TEXTS[0], TEXTS[3]]
 
 
+# --- the supervisor alone, with stand-in stubs (no Triton) -------------------------------------
+
+STUB_SCRIPT = "import time\ntime.sleep(120)\n"
+
+
+def fake_stub(repo: Path, model: str) -> subprocess.Popen:
+    """A process that /proc shows as a Triton Python stub of `model` (argv[0] ends with
+    triton_python_backend_stub, argv[1] is REPO/MODEL/1/model.py), sleeping."""
+    script = repo / model / "1" / "model.py"
+    return subprocess.Popen([str(repo / "triton_python_backend_stub"), str(script)], executable=sys.executable)
+
+
+class FakeServer:
+    """Triton's repository API as the supervisor sees it: every model READY, always live; a
+    reload starts the model's stubs afresh after `load_s` (or fails)."""
+
+    def __init__(self, repo: Path, counts: dict[str, int], load_s: float = 0.5, fail: bool = False) -> None:
+        self.repo, self.counts, self.load_s, self.fail = repo, counts, load_s, fail
+        self.procs: list[subprocess.Popen] = []
+        self.reloads: list[tuple[str, list[str]]] = []  # (model, the parts listed as recovering meanwhile)
+        for model, count in counts.items():
+            (repo / model / "1").mkdir(parents=True)
+            (repo / model / "1" / "model.py").write_text(STUB_SCRIPT)
+            (repo / model / "config.pbtxt").write_text(f'backend: "python"\ninstance_group [ {{ count: {count} }} ]\n')
+            self.procs += [fake_stub(repo, model) for _ in range(count)]
+
+    def index(self, timeout: float = 30.0) -> dict[str, str]:
+        return {model: "READY" for model in self.counts}
+
+    def live(self, timeout: float = 2.0) -> bool:
+        return True
+
+    def reload(self, name: str, mark: str, timeout_s: float) -> None:
+        from pergola.supervisor import read_recovering
+
+        time.sleep(self.load_s)
+        self.reloads.append((name, sorted(read_recovering(self.repo))))
+        if self.fail:
+            raise RuntimeError("the load failed")
+        self.procs += [fake_stub(self.repo, name) for _ in range(self.counts[name])]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def supervise(server: FakeServer, until: threading.Event):
+    """Run Supervisor.watch in a thread over `server` until `until` is set; -> (thread, result)."""
+    from pergola.supervisor import Supervisor
+
+    supervisor = Supervisor(server.repo, server, server, interval_s=0.1, old_copy_grace_s=0.3)
+    result: list[str | None] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.watch(lambda: not until.is_set())))
+    thread.start()
+    return supervisor, thread, result
+
+
+def test_a_dead_stub_is_loaded_again_alone_and_the_replaced_copy_ended(tmp_path):
+    from pergola.supervisor import RECOVERING_FILE, stub_pids
+
+    server = FakeServer(tmp_path, {"m_tokenizer": 2, "m_encoder": 1, "n_encoder": 1})
+    stop = threading.Event()
+    try:
+        time.sleep(0.5)
+        supervisor, thread, result = supervise(server, stop)
+        time.sleep(1.0)  # settled
+        before = stub_pids(tmp_path)
+        survivor = before["m_tokenizer"][1]
+        os.kill(before["m_tokenizer"][0], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while (not server.reloads or survivor in stub_pids(tmp_path)["m_tokenizer"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.reloads == [("m_tokenizer", ["m_tokenizer"])]  # listed as recovering while it loaded
+        assert not (tmp_path / RECOVERING_FILE).exists()  # and no longer once back
+        after = stub_pids(tmp_path)
+        assert survivor not in after["m_tokenizer"] and len(after["m_tokenizer"]) == 2  # the old copy's stub ended
+        assert after["m_encoder"] == before["m_encoder"] and after["n_encoder"] == before["n_encoder"]
+        assert supervisor.recovered == 1 and thread.is_alive()  # no restart asked for
+    finally:
+        stop.set()
+        server.close()
+    thread.join(timeout=10)
+    assert result == [None]
+
+
+def test_a_model_that_cannot_be_loaded_again_restarts_the_server(tmp_path):
+    from pergola.supervisor import stub_pids
+
+    server = FakeServer(tmp_path, {"m_encoder": 1, "n_encoder": 1}, fail=True)
+    stop = threading.Event()
+    try:
+        time.sleep(0.5)
+        supervisor, thread, result = supervise(server, stop)
+        time.sleep(1.0)
+        os.kill(stub_pids(tmp_path)["m_encoder"][0], signal.SIGKILL)
+        thread.join(timeout=15)
+        assert result and "m_encoder could not be loaded again (the load failed)" in result[0], result
+    finally:
+        stop.set()
+        server.close()
+
+
+# --- `pergola serve` with two models ------------------------------------------------------------
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
     """Two models, a and b; the key from the environment (as a deployment passes it), every
