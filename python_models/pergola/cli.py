@@ -144,7 +144,7 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 def serve(args: argparse.Namespace) -> None:
     from pergola.admin import AdminError, default_token_file, read_token, write_token
-    from pergola.server import RepoLock, ServerError, exec_foreground, serve_supervised
+    from pergola.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
 
     bind = triton_address(args)
     try:
@@ -159,6 +159,8 @@ def serve(args: argparse.Namespace) -> None:
     print(f"admin token: {token_file} (header {ADMIN_HEADER}: the repository, logging, trace and "
           "shared-memory APIs refuse calls without it)", flush=True)
     opts = ServerOptions(repo=repo, admin_token=token, **(values_from(args, ServerOptions) | {"bind": bind}))
+    print(f"triton: HTTP {bind}:{opts.http_port}, gRPC {bind}:{opts.grpc_port}, metrics {bind}:{opts.metrics_port}"
+          f"{' (this host only, behind the gateway; --bind to open them)' if is_loopback(bind) else ''}", flush=True)
     if opts.otlp_endpoint:  # the gateway's spans go to the same collector (gateway/tracing.py)
         os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", opts.otlp_endpoint)
     gateway = start_gateway(args, opts, token_file)
