@@ -9,19 +9,20 @@ still say READY. What brings the model back (measured on 2.51, 2-core CPU host, 
 test_fault_locality.py): a repository load of that one model (NAME_tokenizer or NAME_encoder)
 whose `config` override differs from the one it runs, here by a new value of the parameter
 admin.RECOVERY_PARAMETER. Triton loads a fresh copy beside the broken one, swaps it in once
-ready (the ensembles that use it with it) and the requests of other models never wait:
-1.6 s for a tokenizer, 10-17 s for an encoder on the busy host. What did not work: a load that
+ready (the ensembles that use it with it), and the other models never fail meanwhile: back in
+1.5-3.7 s after a tokenizer's death, 5-26 s after an encoder's on the shared 2-core CPU host,
+depending on its load (perf/results/2026-12-06-dda9d96-cpu). What did not work: a load that
 changes nothing is a no-op (Triton compares the config and the files); an unload never
 completes once a request has reached the dead stub (the Python backend's response factory for
 that request keeps the model alive); a load over HTTP runs on one of Triton's HTTP threads and
 every inference request on that thread's connections waited for it (11.6 s for another model's
 query), so loads go over gRPC. The replaced copy is never unloaded either (same reason): its
-remaining stubs are ended here, a few seconds after the swap, and Triton's shutdown waits its
-exit timeout for it.
+remaining stubs are ended here, a few seconds after the swap, and at shutdown the server is not
+waited for once only such copies are left (server._wait_exit).
 
 While a model is being loaded again it is listed in REPO/RECOVERING_FILE (part name -> since,
-reason); the gateway answers its requests 503 + Retry-After at once and reports it not ready
-(gateway/state.py) — Triton's own per-model readiness stays true, as Triton does not know.
+reason), and the gateway reports it not ready (GET /health?model=NAME, gateway/state.py);
+Triton's own per-model readiness stays true, as Triton does not know.
 Models an operator unloaded on purpose are not READY and are left alone.
 """
 
