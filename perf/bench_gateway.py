@@ -25,7 +25,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -35,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import NAME, grpc_client, infer_text, infer_tokens, run_client_processes  # noqa: E402
 from bench_server import run_throughput  # noqa: E402
-from common import model_folder, percentiles, write_result  # noqa: E402
+from common import drain, model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY  # noqa: E402
 
@@ -87,30 +86,19 @@ def _gateway_worker(port: int, batches: list[list[np.ndarray]], barrier, q) -> N
 
 def concurrency(port: int, texts: list[str], in_flight: int, total: int) -> dict:
     latencies: list[float] = []
-    counter = iter(range(total))
-    lock = threading.Lock()
 
-    def client() -> None:
+    def client() -> Callable[[int], None]:
         gw = Gateway(port)
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
+
+        def one(i: int) -> None:
             t0 = time.perf_counter()
             gw.embed(texts[i % len(texts)])
             latencies.append((time.perf_counter() - t0) * 1e3)
+        return one
 
     for measure in (False, True):  # the first pass warms up (lazy CUDA-graph captures)
         latencies.clear()
-        counter = iter(range(total))
-        threads = [threading.Thread(target=client) for _ in range(in_flight)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = drain(range(total), in_flight, client)
     return percentiles(latencies) | {"requests_per_s": len(latencies) / wall}
 
 

@@ -9,10 +9,12 @@ experiments/cpu_stalls.py. A script that times on the CPU sets `common.DEVICE = 
 from __future__ import annotations
 
 import json
+import threading
 
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +22,8 @@ import torch
 from pergola.config import EngineConfig
 from pergola.engine import EncodeRequest, Engine
 from pergola.pooling import finish
+
+T = TypeVar("T")
 
 DEVICE = "cuda"  # "cpu" gives a quick dry run of a benchmark on a laptop or CI box
 
@@ -190,6 +194,33 @@ def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2
             break
     tokens = sum(len(s) for s in batch) * reps
     return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
+
+
+def drain(items: Iterable[T], threads: int, worker: Callable[[], Callable[[T], None]]) -> float:
+    """Each of `items` handled once by `threads` threads, each with its own worker() (a client with
+    its own connection) -> the wall seconds from the first start to the last finish."""
+    source = iter(items)
+    lock = threading.Lock()
+
+    def run() -> None:
+        handle = worker()
+        while True:
+            with lock:
+                item = next(source, _END)
+            if item is _END:
+                return
+            handle(item)
+
+    pool = [threading.Thread(target=run) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return time.perf_counter() - t0
+
+
+_END = object()
 
 
 # --- Hugging Face transformers baseline and the output check -----------------------------------

@@ -8,7 +8,7 @@
 #                                              # archs_server vllm_server gateway_tests verify gateway_workers gateway_grpc
 #                                              # tests_slice (SLICE=i/n) mixed_rate scaling scaling_mixed vllm_scaling
 #                                              # recheck fp8_server mixed_fill streams lanes_loop trace_mixed fold_ab kernels fp8tests lanetests
-#                                              # fp8_profile
+#                                              # fp8_profile batch
 #                                              # (archs_perf: both of the last two, two commands' worth)
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
 set -uo pipefail
@@ -144,6 +144,10 @@ for step in "$@"; do
       run vllm_mixed python3 perf/bench_vllm.py --suites mixed --out "$OUT/vllm_mixed.json" ;;
     gateway)  # the gateway's added latency and kept throughput vs Triton gRPC, Qwen3-0.6B shape
       run gateway python3 perf/bench_gateway.py --model qwen3-0.6b --out "$OUT/gateway.json" ;;
+    batch)  # a Batch API job's throughput vs the same 20,000 texts of ~512 tokens as direct bulk requests
+      # (100 a request, 4 clients), and a text query's p50/p99 idle / under each; goal: job >= 90% of
+      # direct, query p99 while the job runs <= 3x idle (issue 43)
+      run batch python3 perf/bench_batch.py --model qwen3-0.6b -n 20000 --length 512 --out "$OUT/batch.json" ;;
     gateway_grpc)  # the same with the gateway's inference over gRPC (--triton-http-port 0), the transport before 88093b5
       run gateway_grpc python3 perf/bench_gateway.py --model qwen3-0.6b --gateway-option triton_http_port=0 \
         --out "$OUT/gateway_grpc.json" ;;

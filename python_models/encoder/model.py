@@ -30,9 +30,9 @@ from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
 from pergola.token_outputs import TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
-from pergola.triton_io import (EmbedOptions, RequestInputs, classify_options, embed_options, end_with_server,
-                               error_response, exit_soon, instance_device, is_fatal_device_error, optional_array,
-                               required_array, rerank_options, set_cpu_threads)
+from pergola.triton_io import (EmbedOptions, RequestInputs, admitted, classify_options, embed_options,
+                               end_with_server, error_response, exit_soon, instance_device, is_fatal_device_error,
+                               optional_array, required_array, rerank_options, set_cpu_threads)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -134,7 +134,8 @@ class TritonPythonModel:
                 job = Job(req, deliver=partial(self._deliver, sender, options, marks, req, wanted),
                           fail=partial(self._fail, sender), cancelled=sender.is_cancelled,
                           deadline=now + timeout_us / 1e6 if timeout_us else None,
-                          checked_at=now)  # not gone yet: asking (an IPC) can wait CANCEL_CHECK_S
+                          checked_at=now,  # not gone yet: asking (an IPC) can wait CANCEL_CHECK_S
+                          admitted=admitted(request))
                 if marks is not None:
                     marks["options"], marks["job"] = time.monotonic_ns(), job
                 self.loop.submit(job)

@@ -1,4 +1,4 @@
-"""`pergola` command line: build-repo, serve, embed, rerank, add-version, options.
+"""`pergola` command line: build-repo, serve, embed, rerank, batch, add-version, options.
 
 Every serving option is declared once (pergola.options) and is also an environment variable
 (PERGOLA_<OPTION>), as in TEI.
@@ -10,10 +10,12 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from dataclasses import dataclass
 
+from pergola import batch_cli
 from pergola.admin import ADMIN_HEADER
 from pergola.config import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
@@ -144,6 +146,8 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 def serve(args: argparse.Namespace) -> None:
     from pergola.admin import AdminError, default_token_file, read_token, write_token
+    from pergola.gateway.app import watch
+    from pergola.gateway.connections import preflight
     from pergola.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
 
     bind = triton_address(args)
@@ -152,6 +156,8 @@ def serve(args: argparse.Namespace) -> None:
         token = read_token(args.admin_token_file) if args.admin_token_file else None
     except (ServerError, AdminError) as e:
         raise SystemExit(str(e)) from None
+    if args.gateway_port:  # a taken port or a bad limit ends `serve` now, before Triton starts
+        preflight(GatewayOptions(**values_from(args, GatewayOptions)), "pergola serve")
     repo = build_repo(args, lock)
     token_file = Path(args.admin_token_file) if args.admin_token_file else default_token_file(repo)
     if token is None:
@@ -164,13 +170,22 @@ def serve(args: argparse.Namespace) -> None:
     if opts.otlp_endpoint:  # the gateway's spans go to the same collector (gateway/tracing.py)
         os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", opts.otlp_endpoint)
     gateway = start_gateway(args, opts, token_file)
+    stopping = threading.Event()  # set before the gateway is ended on purpose
+
+    def stop_gateway() -> None:
+        stopping.set()
+        if gateway is not None:
+            gateway.terminate()
+
+    gateway_failed = watch(gateway, stopping) if gateway is not None else threading.Event()
     try:
         if opts.model_control == "explicit":
-            raise SystemExit(serve_supervised(opts, on_stop=gateway.terminate if gateway is not None else None))
+            code = serve_supervised(opts, on_stop=stop_gateway)
+            raise SystemExit(1 if gateway_failed.is_set() else code)
         exec_foreground(opts, lock)  # (the gateway ends with this process, whatever runs in it)
     finally:
         if gateway is not None:
-            gateway.terminate()
+            stop_gateway()
             gateway.wait(timeout=15)
 
 
@@ -315,6 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-n", type=int, default=None)
     p.add_argument("--instruction", default=None, help="a Qwen3-Reranker's task instruction for this request")
     p.set_defaults(func=rerank)
+
+    p = sub.add_parser("batch", help="embed a corpus (Parquet, JSONL, text lines) through the gateway into Parquet "
+                                     "or JSONL; resumable: the same command continues an interrupted run")
+    batch_cli.add_arguments(p)
+    _add_key_option(p)
+    p.set_defaults(func=batch_cli.run)
 
     p = sub.add_parser("download", help="fetch Hub models (ORG/NAME[@REVISION]) into the Hugging Face cache "
                                         "(HF_HOME / HF_HUB_CACHE; HF_TOKEN for gated ones) so that `serve "

@@ -7,6 +7,7 @@ pass it in; everything else in pergola imports and tests without Triton.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, NamedTuple
@@ -21,6 +22,12 @@ from pergola.token_outputs import DEFAULT_OUTPUTS, check_outputs
 from pergola.tokenization import truncate_mode
 
 MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)
+# A request parameter the gateway sets on work it admitted, having weighed it against all the work
+# it had accepted before doing any of it (gateway/admission.py); it sends a request's chunks a few
+# at a time. The encoder's queue bound would count a request's own chunks as work ahead of it: it
+# refused the later chunks of a 1,024-text request on an idle server, at every retry. Such work
+# is bounded by its deadline there (engine/loop.py `_admit`), not by max_queue_seconds.
+ADMITTED = "pergola_admitted"
 MAX_OPTION_NAMES = 8  # a list option (OUTPUTS) holds a few names
 
 
@@ -183,6 +190,11 @@ def required_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.nd
 def optional_array(pb_utils: Any, request: Any, name: str, dtype: type) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else np.array(tensor.as_numpy().reshape(-1), dtype=dtype)
+
+
+def admitted(request: Any) -> bool:
+    """Whether the gateway admitted `request` (its ADMITTED parameter)."""
+    return bool(json.loads(request.parameters() or "{}").get(ADMITTED))
 
 
 def error_response(pb_utils: Any, exc: Exception) -> Any:

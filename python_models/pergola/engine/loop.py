@@ -17,7 +17,8 @@ waited 14.8 ms in process: the bulk kernels hold the SMs until they end). Betwee
 drops requests whose client has gone (a
 cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
 once when the queued work would take longer than `max_queue_seconds` at the measured
-throughput, or than the request's own timeout: load is shed by work, not by request count.
+throughput (but for work the gateway admitted, which weighed it before any work), or than the
+request's own timeout: load is shed by work, not by request count.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Job:
     fail: Callable[[BaseException], None]
     cancelled: Callable[[], bool] = lambda: False
     deadline: float | None = None  # time.monotonic() after which the client no longer waits
+    admitted: bool = False  # the gateway admitted it (pergola.triton_io.admitted): only its deadline refuses it
     result: np.ndarray = field(init=False)
     rows_left: int = field(init=False)
     checked_at: float = 0.0
@@ -200,14 +202,15 @@ class EncodeLoop:
         return result
 
     def _admit(self, job: Job, tokens: int) -> None:
-        """Refuse a request whose wait would pass max_queue_seconds or its own deadline. Its wait
-        is the work that runs before it (least work first): a query is not refused because bulk
-        work is queued, only if it could not be served in time itself."""
+        """Refuse a request whose wait would pass max_queue_seconds (unless the gateway admitted
+        it: pergola.triton_io.admitted) or its own deadline. Its wait is the work that runs
+        before it (least work first): a query is not refused because bulk work is queued, only
+        if it could not be served in time itself."""
         rate, ahead = self.throughput.tokens_per_s, self._queue.work_ahead(tokens)
         if rate is None or ahead == 0:
             return  # nothing measured yet, or nothing ahead of it: always take the work
         wait = (ahead + tokens) / rate
-        if self.max_queue_seconds and wait > self.max_queue_seconds:
+        if self.max_queue_seconds and wait > self.max_queue_seconds and not job.admitted:
             raise Overloaded(f"this request would wait behind {ahead:,} queued tokens, about {wait:.1f} s at "
                              f"{rate:,.0f} tokens/s, over the limit of {self.max_queue_seconds:g} s "
                              "(max_queue_seconds): retry later or on another replica")

@@ -2,10 +2,13 @@
 
     client --HTTP/JSON--> gateway (Starlette on uvicorn, one event loop per worker)
                               |  parse + check limits (http.py, the route's module)
+                              |  admit or refuse (429 / 413) before any work (admission.py)
                               |  short request: tokenize here (tokenizers.py) --> NAME_encoder
-                              |  otherwise: cut into chunks (backend.py) -------> the ensemble
+                              |  otherwise: cut into chunks (backend.py) -------> the ensemble, or
+                              |                         NAME_tokenizer then NAME_encoder (bulk)
                               +--HTTP, binary tensors (triton_http.py)--> Triton replica 1 .. N
-                                 (readiness, configs, index: gRPC)        (replicas.py)
+                                 bulk to NAME_encoder over gRPC (cancellable) (replicas.py)
+                                 (readiness, configs, index: gRPC)
 
 OpenAI `/v1/embeddings` (openai_api.py), Cohere/Jina `/v1/rerank` (rerank_api.py), TEI `/embed`,
 `/rerank`, `/info`, `/health` (tei_api.py); keys and envelopes in http.py and errors.py; the

@@ -2,7 +2,8 @@
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
 /v1/rerank, /v2/rerank; NIM /v1/ranking; vLLM /classify; TEI /embed, /embed_sparse, /embed_all,
-/predict, /tokenize, /info, /health; /rerank takes either form.
+/predict, /tokenize, /info, /health; /rerank takes either form; OpenAI's /v1/files and /v1/batches
+(gateway/batch).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from starlette.applications import Starlette
@@ -20,7 +23,10 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import classify_api, metrics, openai_api, rerank_api, tei_api, tracing, triton_metrics
+from pergola.gateway import (classify_api, connections, metrics, openai_api, rerank_api, tei_api, tracing,
+                             triton_metrics)
+from pergola.gateway.admission import CancelOnDisconnect
+from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Keys, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
@@ -32,6 +38,7 @@ GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
 def build_app(opts: GatewayOptions) -> Starlette:
     tracing.require_sdk()
     holder: dict[str, Gateway] = {}
+    batch = BatchAPI(opts)  # /v1/files, /v1/batches and the jobs behind them (gateway/batch)
 
     def bound(handler: GatewayHandler) -> Callable[[Request], Awaitable[Any]]:
         return lambda request: handler(holder["gateway"], request)
@@ -44,7 +51,8 @@ def build_app(opts: GatewayOptions) -> Starlette:
         gateway = Gateway(opts)  # inside the running loop: gRPC aio channels belong to it
         holder["gateway"] = gateway
         try:
-            yield
+            async with batch.running(gateway):
+                yield
         finally:
             gateway.backend.tokenizers.close()
             await gateway.pool.close()
@@ -69,15 +77,20 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/info", "tei", tei_api.info, "GET"),
         Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
         triton_metrics.route(lambda: holder["gateway"]),  # Triton's metrics text, per replica
+        *batch.routes(route),
     ]
     middleware = [Middleware(metrics.RequestMetrics, paths=[r.path for r in routes] + [metrics.PATH]),
-                  Middleware(tracing.TraceContext)]  # gateway/metrics.py, gateway/tracing.py
+                  Middleware(tracing.TraceContext),  # gateway/metrics.py, gateway/tracing.py
+                  Middleware(CancelOnDisconnect)]  # a client gone: its work stops (gateway/admission.py)
     return Starlette(routes=routes + [metrics.route()], lifespan=lifespan, middleware=middleware)
 
 
 def create_app() -> Starlette:
-    """The app from PERGOLA_* environment variables (what each uvicorn worker process runs)."""
-    return build_app(from_environment(GatewayOptions))
+    """The app from PERGOLA_* environment variables (what each uvicorn worker process runs), and
+    that process's connection limits."""
+    opts = from_environment(GatewayOptions)
+    connections.configure(opts)
+    return build_app(opts)
 
 
 def spawn(opts: GatewayOptions) -> subprocess.Popen:
@@ -86,6 +99,25 @@ def spawn(opts: GatewayOptions) -> subprocess.Popen:
 
     env = dict(os.environ) | to_environment(opts)
     return popen_tied([sys.executable, "-m", "pergola.cli", "gateway"], env=env)
+
+
+def watch(child: subprocess.Popen, stopping: threading.Event) -> threading.Event:
+    """Wait for the gateway child from a thread: when it ends while `stopping` is unset (its port
+    was taken after all, a bad option, a crash), say so and send this process SIGTERM, so that
+    `pergola serve` stops tritonserver and exits non-zero instead of serving without its front
+    door. Returns the event set in that case."""
+    failed = threading.Event()
+
+    def wait() -> None:
+        code = child.wait()
+        if stopping.is_set():
+            return
+        failed.set()
+        print(f"pergola serve: the gateway exited with code {code} (its reason is above); stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="gateway-watch", daemon=True).start()
+    return failed
 
 
 @contextlib.contextmanager
@@ -106,19 +138,27 @@ def shared_metrics() -> Iterator[None]:
 
 
 def run(opts: GatewayOptions) -> None:
+    """Serve on the options' port with the connection discipline of gateway/connections.py: the
+    socket is bound here first, so a port in use ends the process with a message naming it."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     try:  # (here, not in the app's start-up, where uvicorn would print a traceback around it)
         replica_targets(opts)
+        connections.configure(opts)
     except ValueError as e:
         raise SystemExit(f"pergola gateway: {e}") from None
-
-    kwargs: dict[str, Any] = dict(host=opts.gateway_bind, port=opts.gateway_port, log_level="warning",
-                                  access_log=False, timeout_graceful_shutdown=10,
-                                  timeout_keep_alive=30)  # (uvicorn's 5 s drops idle pooled clients often)
+    sock = connections.listen(opts.gateway_bind, opts.gateway_port)
+    kwargs: dict[str, Any] = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                                  http=connections.GuardedProtocol, timeout_keep_alive=opts.keep_alive_timeout_s)
     if opts.gateway_workers > 1:  # workers import the app themselves: hand them the options
         os.environ.update(to_environment(opts))
         with shared_metrics():
-            uvicorn.run("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers, **kwargs)
-    else:
-        uvicorn.run(build_app(opts), **kwargs)
+            config = uvicorn.Config("pergola.gateway.app:create_app", factory=True, workers=opts.gateway_workers,
+                                    **kwargs)
+            Multiprocess(config, sockets=[sock]).run()
+        return
+    server = uvicorn.Server(uvicorn.Config(build_app(opts), **kwargs))
+    server.run(sockets=[sock])
+    if not server.started:  # (the app's start-up failed: uvicorn has said why)
+        raise SystemExit(1)

@@ -1,26 +1,38 @@
 """What the routes ask of Triton: embeddings of texts or token ids, rerank scores, class
-probabilities; each request
-cut into chunks that run concurrently on the replicas and are put back together in order.
+probabilities; each request admitted first (admission.py: 429 or 413 before any work), then cut
+into chunks that run concurrently on the replicas and are put back together in order.
 
 A chunk is at most `chunk_texts` texts and `chunk_chars` characters (a longer text is a chunk of
-its own). A text's result never depends on how it was cut: the engine computes every sequence
-on its own (ragged batches), which tests/test_gateway.py checks against unsplit answers.
+its own); at most `chunk_window` chunks of a request per replica are in flight, and the first one
+to fail cancels the others. A text's result never depends on how it was cut: the engine computes
+every sequence on its own (ragged batches), which tests/test_gateway.py checks against unsplit
+answers.
+
+A call of more than CANCELLABLE_TOKENS goes to NAME_encoder over gRPC, so that a request given
+up on (its client gone, a chunk refused) stops its work in Triton: a chunk of texts is then
+tokenized by NAME_tokenizer (or here) and its ids sent to NAME_encoder, not through the ensemble,
+whose step in flight Triton does not cancel (catalog.Pipeline). Smaller calls go over HTTP, which
+costs the gateway less CPU (triton_http.py) and Triton at most one CPU step if given up on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from itertools import chain
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import np_to_triton_dtype
 
 from pergola.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
 from pergola.classify import ClassifyTokenizer
 from pergola.errors import RequestError
+from pergola.gateway.admission import Admission, Ticket, lengths, refused_later, watch_client
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
 from pergola.gateway.metrics import INPUTS
@@ -31,7 +43,11 @@ from pergola.gateway.triton_http import Tensor
 from pergola.rerank import RerankTokenizer
 from pergola.token_outputs import TOKEN_OUTPUT_TYPES
 from pergola.tokenization import TextTokenizer
+from pergola.triton_io import ADMITTED
 
+# A call of more tokens than this goes over gRPC, cancellable (module docstring): about one forward
+# step on a CPU (1,024 tokens, ~0.3 s), under a millisecond on a GPU: what is lost if it runs anyway.
+CANCELLABLE_TOKENS = 1_024
 # Triton ENCODING -> (output tensor, numpy dtype of its values); FP16 travels as UINT16 bits.
 OUTPUTS = {
     "float32": ("EMBEDDING", np.float32),
@@ -171,12 +187,10 @@ async def _numbered(start: int, call: Awaitable[T]) -> T:
         raise _too_long(e, start) from None
 
 
-async def _all(calls: Iterable[Awaitable[T]]) -> list[T]:
-    """The results of `calls`, run concurrently; one call is awaited as it is (a query's request is
-    one chunk: no task to create and schedule; with the flattening in embed_tokens, 96 -> 47 us of
-    the gateway's CPU for a 128-id request, Triton's answer canned, on the 2-core CPU host)."""
-    calls = list(calls)
-    return [await calls[0]] if len(calls) == 1 else list(await asyncio.gather(*calls))
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first failure a task group collected (one chunk's, raised as a lone call's would be)."""
+    error = group.exceptions[0]
+    return _first_error(error) if isinstance(error, BaseExceptionGroup) else error
 
 
 def chunks(sizes: Sequence[int], max_items: int, max_size: int) -> list[tuple[int, int]]:
@@ -223,16 +237,48 @@ def _encoder_options(opts: EmbedOptions, shape: list[int]) -> list[Tensor]:
     return inputs
 
 
+class _Joined:
+    """The answers of an ensemble's two steps made as two calls, read by the ensemble's output
+    names (as_numpy), as the ensemble's one answer would be."""
+
+    def __init__(self, answers: tuple[Any, Any], outputs: dict[str, tuple[int, str]]) -> None:
+        self.answers, self.outputs = answers, outputs
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        if name not in self.outputs:
+            return None
+        step, inner = self.outputs[name]
+        return self.answers[step].as_numpy(inner)
+
+
 class Backend:
     def __init__(self, pool: ReplicaPool, chunk_texts: int, chunk_chars: int, timeout_s: float,
-                 api_key: str | None = None, tokenizers: LocalTokenizers | None = None) -> None:
+                 api_key: str | None = None, tokenizers: LocalTokenizers | None = None,
+                 admission: Admission | None = None, chunk_window: int = 2) -> None:
         self.pool = pool
         self.tokenizers = tokenizers or LocalTokenizers(None, 0)
-        self.chunk_texts, self.chunk_chars = chunk_texts, chunk_chars
+        self.chunk_texts, self.chunk_chars, self.chunk_window = chunk_texts, chunk_chars, chunk_window
         self.timeout_s = timeout_s
+        self.admission = admission or Admission(timeout_s)
         # Triton's inference is behind the first key when `pergola serve --api-key` started it
         self.http_headers = {API_KEY_HEADER: api_key} if api_key else None
         self.grpc_headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
+
+    @contextlib.contextmanager
+    def _admitted(self, model: ServedModel, chars: list[int] | None = None,
+                  tokens: int | None = None) -> Iterator[Ticket]:
+        """The request's ticket (admission.py) while it is answered, or its 429 / 413 before any
+        of its work; a 429 from Triton later gets its Retry-After from the backlog too."""
+        ticket = self.admission.admit(model, chars, tokens)
+        if ticket.left > CANCELLABLE_TOKENS:
+            watch_client()  # (its client leaving cancels it: CancelOnDisconnect)
+        try:
+            yield ticket
+        except GatewayError as e:
+            refused_later(e, self.admission, model)
+            raise
+        finally:
+            ticket.close()
 
     async def _encoded_here(self, texts: list[str], encode: Callable[[], E]) -> E:
         """The gateway's own tokenizing of `texts` (gateway/tokenizers.py: on the loop or a
@@ -242,28 +288,95 @@ class Backend:
         except RequestError as e:
             raise _too_long(refused(str(e))) from None
 
-    async def _infer(self, model: str, inputs: list[Tensor], outputs: list[str], version: str = ""):
-        """One Triton call on the least busy replica (another one if it is busy or gone), over its
-        HTTP port when known (gateway/triton_http.py), else gRPC; the answer reads as_numpy(name)."""
+    async def _infer(self, model: str, inputs: list[Tensor], outputs: list[str], version: str = "",
+                     work: Ticket | None = None, cancellable: bool = False):
+        """One Triton call on the least busy replica (another one if it is busy or gone); the answer
+        reads as_numpy(name). Over the replica's HTTP port when known (gateway/triton_http.py: less
+        of the gateway's CPU per call), over gRPC when `cancellable` (or no HTTP port): Triton passes
+        a gRPC caller's cancellation on to the model, which the encoder sees between steps and drops
+        the request; a closed HTTP connection it does not (perf/experiments/cancel_paths.py).
+        Triton is told the time the request has left (µs): the encoder drops work nobody waits for;
+        and that the gateway admitted it (ADMITTED: the encoder does not refuse it for its queue)."""
+        timeout_s = work.left_s() if work is not None else self.timeout_s
+        if timeout_s <= 0:
+            raise GatewayError(504, f"the request's time ran out (--request-timeout-s {self.timeout_s:g}) "
+                                    "before all of it was answered")
+
+        parameters = {ADMITTED: True} if work is not None else None  # (pergola.triton_io.ADMITTED)
 
         async def call(replica: Replica):
-            # Triton is told the deadline too (µs): the encoder drops work nobody waits for.
-            if replica.http is not None:
+            if replica.http is not None and not cancellable:
                 with triton_call(model, self.http_headers, "http") as headers:  # (gateway/tracing.py)
-                    return await replica.http.infer(model, inputs, outputs, version, self.timeout_s, headers)
+                    return await replica.http.infer(model, inputs, outputs, version, timeout_s, headers, parameters)
             with triton_call(model, self.grpc_headers, "grpc") as headers:
                 return await replica.client.infer(
                     model, [_grpc_input(t) for t in inputs], model_version=version,
-                    outputs=[InferRequestedOutput(name) for name in outputs], client_timeout=self.timeout_s,
-                    timeout=int(self.timeout_s * 1e6), headers=headers)
+                    outputs=[InferRequestedOutput(name) for name in outputs], client_timeout=timeout_s,
+                    timeout=int(timeout_s * 1e6), headers=headers, parameters=parameters)
 
         return await self.pool.call(call)
 
+    async def _encode(self, model: ServedModel, inputs: list[Tensor], outputs: list[str], tokens: int,
+                      work: Ticket, version: str = ""):
+        """A call of `tokens` token ids to NAME_encoder: cancellable (gRPC) above CANCELLABLE_TOKENS."""
+        return await self._infer(f"{model.target}_encoder", inputs, outputs, version, work,
+                                 cancellable=tokens > CANCELLABLE_TOKENS)
+
+    async def _through_tokenizer(self, model: ServedModel, inputs: list[Tensor], outputs: list[str], tokens: int,
+                                 work: Ticket):
+        """A chunk of texts (about `tokens` tokens) through the served ensemble's steps: one call to
+        the ensemble when small; else NAME_tokenizer, then its ids to NAME_encoder over gRPC, so
+        that a chunk given up on is not encoded (Triton does not cancel an ensemble's step in
+        flight: catalog.Pipeline)."""
+        steps = model.pipeline
+        if tokens <= CANCELLABLE_TOKENS or steps is None:
+            return await self._infer(model.name, inputs, outputs, work=work)
+        wanted = {name: steps.outputs[name] for name in outputs if name in steps.outputs}
+        first = await self._infer(f"{model.target}_tokenizer",
+                                  [replace(t, name=steps.inputs[t.name]) for t in inputs if t.name in steps.inputs],
+                                  [*steps.feeds, *(inner for step, inner in wanted.values() if step == 0)], work=work)
+        feeds = [Tensor(steps.feeds[name], array, np_to_triton_dtype(array.dtype))
+                 for name in steps.feeds if (array := first.as_numpy(name)) is not None]
+        second = await self._infer(f"{model.target}_encoder", feeds,
+                                   [inner for step, inner in wanted.values() if step == 1], work=work, cancellable=True)
+        return _Joined((first, second), wanted)
+
+    async def _chunked(self, calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+        """The results of `calls` (a request's chunks), in order.
+
+        At most chunk_window of them per replica are in flight, the next sent as one is answered:
+        the encoder's admission (engine/loop.py) counts a request's queued chunks as work ahead of
+        its next one, and with all 32 chunks of a 1,024-text request sent at once it refused the
+        later ones, on an idle server too, and again at every retry. The first failure cancels
+        the rest: chunks not yet sent are never sent, those in flight are cancelled (in Triton
+        too, when over gRPC). One call is awaited as it is (a query's request is one chunk: no
+        task to create and schedule; 96 -> 47 us of the gateway's CPU for a 128-id request,
+        Triton's answer canned, on the 2-core CPU host)."""
+        if len(calls) == 1:
+            return [await calls[0]()]
+        results: list[Any] = [None] * len(calls)
+        todo = iter(enumerate(calls))
+
+        async def sender() -> None:
+            for i, call in todo:
+                results[i] = await call()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(min(len(calls), self.chunk_window * max(1, len(self.pool.replicas)))):
+                    group.create_task(sender())
+        except BaseExceptionGroup as e:
+            raise _first_error(e) from None
+        return results
+
     async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
         """Embeddings of `texts`: tokenized here when short (gateway/tokenizers.py), else through
-        the embed ensemble in chunks."""
-        return await self._here_or_ensemble(model, texts, lambda tok: self._embed_here(model, tok, texts, opts),
-                                            lambda: self._embed_ensemble(model, texts, opts))
+        the embed ensemble's steps in chunks."""
+        chars = lengths(texts)
+        with self._admitted(model, chars) as work:
+            return await self._here_or_ensemble(
+                model, texts, lambda tok: self._embed_here(model, tok, texts, opts, work, chars),
+                lambda: self._embed_ensemble(model, texts, opts, work, chars))
 
     async def _here_or_ensemble(self, model: ServedModel, texts: list[str],
                                 here: Callable[[Any], Awaitable[T]], ensemble: Callable[[], Awaitable[T]]) -> T:
@@ -293,24 +406,29 @@ class Backend:
         return inputs + _encoder_options(opts, [1, 1]), enc.lengths
 
     async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                          opts: EmbedOptions) -> Embedded:
+                          opts: EmbedOptions, work: Ticket, chars: list[int]) -> Embedded:
         """`texts` tokenized here, their ids to the same version of NAME_encoder."""
         output, dtype = OUTPUTS[opts.encoding]
         inputs, tokens = await self._tokenized_here(model, tokenizer, texts, opts)
-        result = await self._infer(f"{model.target}_encoder", inputs, [output], version=model.version or "")
+        result = await self._encode(model, inputs, [output], int(tokens.sum()), work, model.version or "")
+        work.answered(chars, tokens)
         return Embedded(result.as_numpy(output).view(dtype), tokens)
 
-    async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
+    async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedOptions, work: Ticket,
+                              chars: list[int]) -> Embedded:
         output, dtype = OUTPUTS[opts.encoding]
 
         async def one(start: int, end: int) -> Embedded:
             data = np.array([t.encode("utf-8") for t in texts[start:end]], dtype=object)
             inputs = [Tensor("TEXT", data, "BYTES"), *_option_inputs(opts, [1])]
-            result = await self._infer(model.name, inputs, [output, "TOKEN_COUNT"])
-            return Embedded(result.as_numpy(output).view(dtype), result.as_numpy("TOKEN_COUNT"))
+            result = await self._through_tokenizer(model, inputs, [output, "TOKEN_COUNT"],
+                                                   work.estimate(chars[start:end]), work)
+            part = Embedded(result.as_numpy(output).view(dtype), result.as_numpy("TOKEN_COUNT"))
+            work.answered(chars[start:end], part.tokens)
+            return part
 
-        spans = chunks([len(t) for t in texts], self.chunk_texts, self.chunk_chars)
-        parts = await _all(_numbered(a, one(a, b)) for a, b in spans)
+        spans = chunks(chars, self.chunk_texts, self.chunk_chars)
+        parts = await self._chunked([lambda a=a, b=b: _numbered(a, one(a, b)) for a, b in spans])
         return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
 
     async def per_token(self, model: ServedModel, texts: list[str], outputs: list[str],
@@ -318,43 +436,52 @@ class Backend:
         """bge-m3's `outputs` (sparse, colbert) of `texts`: tokenized here when short, else from
         the embed ensemble's OUTPUTS in chunks."""
         asked = np.array([o.encode() for o in outputs], dtype=object)
+        chars = lengths(texts)
 
         async def here(tokenizer: TextTokenizer) -> PerToken:
             inputs, tokens = await self._tokenized_here(model, tokenizer, texts, opts)
-            r = await self._infer(f"{model.target}_encoder", [*inputs, Tensor("OUTPUTS", asked[None, :], "BYTES")],
-                                  _PER_TOKEN[:-1], version=model.version or "")
+            r = await self._encode(model, [*inputs, Tensor("OUTPUTS", asked[None, :], "BYTES")], _PER_TOKEN[:-1],
+                                   int(tokens.sum()), work, model.version or "")
+            work.answered(chars, tokens)
             return _per_token_answer(r, tokens)
 
         async def one(start: int, end: int) -> PerToken:
             data = np.array([t.encode("utf-8") for t in texts[start:end]], dtype=object)
             inputs = [Tensor("TEXT", data, "BYTES"), Tensor("OUTPUTS", asked, "BYTES"), *_option_inputs(opts, [1])]
-            r = await self._infer(model.name, inputs, _PER_TOKEN)
+            r = await self._through_tokenizer(model, inputs, _PER_TOKEN, work.estimate(chars[start:end]), work)
+            work.answered(chars[start:end], r.as_numpy("TOKEN_COUNT"))
             return _per_token_answer(r, r.as_numpy("TOKEN_COUNT"))
 
         async def ensemble() -> PerToken:
-            spans = chunks([len(t) for t in texts], self.chunk_texts, self.chunk_chars)
-            parts = await _all(_numbered(a, one(a, b)) for a, b in spans)
+            spans = chunks(chars, self.chunk_texts, self.chunk_chars)
+            parts = await self._chunked([lambda a=a, b=b: _numbered(a, one(a, b)) for a, b in spans])
             return PerToken([s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
                             np.concatenate([p.tokens for p in parts]))
 
-        return await self._here_or_ensemble(model, texts, here, ensemble)
+        with self._admitted(model, chars) as work:
+            return await self._here_or_ensemble(model, texts, here, ensemble)
 
     async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
         """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""
         output, dtype = OUTPUTS[opts.encoding]
+        sizes = [len(t) for t in ids]
 
         async def one(start: int, end: int) -> np.ndarray:
             part = ids[start:end]
-            lengths = np.array([[len(t) for t in part]], dtype=np.int32)
+            lengths = np.array([sizes[start:end]], dtype=np.int32)
+            count = int(lengths.sum())
             # (chain: 4 us for 128 ids, a generator expression 10; 1.5 against 2.8 ms for 100 x 512)
-            flat = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=int(lengths.sum()))[None, :]
+            flat = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=count)[None, :]
             inputs = [Tensor("INPUT_IDS", flat, "INT64"), Tensor("LENGTHS", lengths, "INT32"),
                       *_option_inputs(opts, [1, 1])]
-            result = await self._infer(f"{model.target}_encoder", inputs, [output])
+            result = await self._encode(model, inputs, [output], count, work)
+            work.answered(None, lengths)
             return result.as_numpy(output).view(dtype)
 
-        parts = await _all(one(a, b) for a, b in chunks([len(t) for t in ids], self.chunk_texts, self.chunk_chars))
-        return Embedded(np.concatenate(parts), np.array([len(t) for t in ids], dtype=np.int32))
+        with self._admitted(model, tokens=sum(sizes)) as work:
+            spans = chunks(sizes, self.chunk_texts, self.chunk_chars)
+            parts = await self._chunked([lambda a=a, b=b: one(a, b) for a, b in spans])
+        return Embedded(np.concatenate(parts), np.array(sizes, dtype=np.int32))
 
     async def tokenize(self, model: ServedModel, texts: list[str], prompt_name: str | None,
                        add_special_tokens: bool) -> Tokenized:
@@ -369,7 +496,8 @@ class Backend:
             result = await self._infer(f"{model.target}_tokenizer", [Tensor("TEXT", data, "BYTES"), *options], outputs)
             return Tokenized(*(result.as_numpy(name)[0] for name in outputs))
 
-        parts = await _all(one(a, b) for a, b in chunks([len(t) for t in texts], self.chunk_texts, self.chunk_chars))
+        spans = chunks([len(t) for t in texts], self.chunk_texts, self.chunk_chars)
+        parts = await self._chunked([lambda a=a, b=b: one(a, b) for a, b in spans])
         return Tokenized(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("ids", "lengths", "pieces",
                                                                                      "offsets")))
 
@@ -377,29 +505,33 @@ class Backend:
                      opts: RerankOptions = RerankOptions()) -> Reranked:
         """Scores [n] float32 of `documents` against `query` and each pair's tokens, in input order:
         tokenized here when the request is short (gateway/tokenizers.py), else through the
-        rerank ensemble in chunks."""
-        return await self._here_or_ensemble(
-            model, [query, *documents], lambda tok: self._rerank_here(model, tok, query, documents, opts),
-            lambda: self._rerank_ensemble(model, query, documents, opts))
+        rerank ensemble's steps in chunks."""
+        chars = [len(query) + len(d) for d in documents]  # each (query, document) pair's
+        with self._admitted(model, chars) as work:
+            return await self._here_or_ensemble(
+                model, [query, *documents],
+                lambda tok: self._rerank_here(model, tok, query, documents, opts, work, chars),
+                lambda: self._rerank_ensemble(model, query, documents, opts, work, chars))
 
     async def _rerank_here(self, model: ServedModel, tokenizer: RerankTokenizer, query: str, documents: list[str],
-                           opts: RerankOptions) -> Reranked:
+                           opts: RerankOptions, work: Ticket, chars: list[int]) -> Reranked:
         """The pairs tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
         enc = await self._encoded_here([query, *documents], lambda: tokenizer.encode(
             query, documents, max_document_tokens=opts.max_document_tokens, instruction=opts.instruction,
             truncate=_truncate(model, opts.truncate)))
         inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
-        result = await self._infer(f"{model.target}_encoder", inputs, ["SCORE"], version=model.version or "")
+        result = await self._encode(model, inputs, ["SCORE"], int(enc.lengths.sum()), work, model.version or "")
+        work.answered(chars, enc.lengths)
         return Reranked(result.as_numpy("SCORE"), enc.lengths)
 
     async def _rerank_ensemble(self, model: ServedModel, query: str, documents: list[str],
-                               opts: RerankOptions) -> Reranked:
+                               opts: RerankOptions, work: Ticket, chars: list[int]) -> Reranked:
         options = [Tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")]
         if opts.truncate is not None:
             options.append(Tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
         if opts.max_document_tokens is not None:
             options.append(Tensor("MAX_DOCUMENT_TOKENS", np.array([opts.max_document_tokens], dtype=np.int32),
-                                   "INT32"))
+                                  "INT32"))
         if opts.instruction is not None:
             options.append(Tensor("INSTRUCTION", np.array([opts.instruction.encode("utf-8")], dtype=object), "BYTES"))
         if opts.raw_scores:
@@ -407,22 +539,25 @@ class Backend:
 
         async def one(start: int, end: int) -> Reranked:
             docs = np.array([d.encode("utf-8") for d in documents[start:end]], dtype=object)
-            result = await self._infer(model.name, [*options, Tensor("DOCUMENTS", docs, "BYTES")],
-                                       ["SCORE", "TOKEN_COUNT"])
-            return Reranked(result.as_numpy("SCORE"), result.as_numpy("TOKEN_COUNT"))
+            result = await self._through_tokenizer(model, [*options, Tensor("DOCUMENTS", docs, "BYTES")],
+                                                   ["SCORE", "TOKEN_COUNT"], work.estimate(chars[start:end]), work)
+            part = Reranked(result.as_numpy("SCORE"), result.as_numpy("TOKEN_COUNT"))
+            work.answered(chars[start:end], part.tokens)
+            return part
 
-        sizes = [len(d) + len(query) for d in documents]
-        parts = await _all(_numbered(a, one(a, b)) for a, b in chunks(sizes, self.chunk_texts, self.chunk_chars))
+        spans = chunks(chars, self.chunk_texts, self.chunk_chars)
+        parts = await self._chunked([lambda a=a, b=b: _numbered(a, one(a, b)) for a, b in spans])
         return Reranked(np.concatenate([p.scores for p in parts]), np.concatenate([p.tokens for p in parts]))
 
     async def classify(self, model: ServedModel, texts: list[str], pairs: list[str | None] | None = None,
                        opts: ClassifyOptions = ClassifyOptions()) -> Classified:
         """Class probabilities [n, labels] of `texts` (pairs[i]: text i's second sequence, None for
         none), in input order: tokenized here when the request is short (gateway/tokenizers.py),
-        else through the classify ensemble in chunks. Single texts and pairs go in separate calls
-        (TEXT_PAIR pairs all of a call's texts)."""
+        else through the classify ensemble's steps in chunks. Single texts and pairs go in separate
+        calls (TEXT_PAIR pairs all of a call's texts)."""
         pairs = pairs or [None] * len(texts)
         groups = [[i for i, p in enumerate(pairs) if p is None], [i for i, p in enumerate(pairs) if p is not None]]
+        chars = [len(t) + len(p or "") for t, p in zip(texts, pairs)]  # each input's, its pair's included
         options = [Tensor("RAW_SCORES", np.array([True]), "BOOL")] if opts.raw_scores else []
         if opts.truncate is not None:
             options.append(Tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
@@ -433,7 +568,9 @@ class Backend:
             if paired:
                 inputs.append(Tensor("TEXT_PAIR", np.array([pairs[i].encode("utf-8") for i in index],  # type: ignore[union-attr]
                                                              dtype=object), "BYTES"))
-            result = await self._infer(model.name, inputs, ["PROBS", "LABELS", "TOKEN_COUNT"])
+            result = await self._through_tokenizer(model, inputs, ["PROBS", "LABELS", "TOKEN_COUNT"],
+                                                   work.estimate([chars[i] for i in index]), work)
+            work.answered([chars[i] for i in index], result.as_numpy("TOKEN_COUNT"))
             return _classified(result, result.as_numpy("TOKEN_COUNT"))
 
         def one_here(tokenizer: ClassifyTokenizer) -> Callable[[list[int], bool], Awaitable[Classified]]:
@@ -443,8 +580,9 @@ class Backend:
                 enc = await self._encoded_here([*chosen, *(second or [])], lambda: tokenizer.encode(
                     chosen, second, truncate=_truncate(model, opts.truncate)))
                 inputs = _id_inputs(enc, token_types=True, raw_scores=opts.raw_scores)
-                result = await self._infer(f"{model.target}_encoder", inputs, ["PROBS", "LABELS"],
-                                           version=model.version or "")
+                result = await self._encode(model, inputs, ["PROBS", "LABELS"], int(enc.lengths.sum()), work,
+                                            model.version or "")
+                work.answered([chars[i] for i in index], enc.lengths)
                 return _classified(result, enc.lengths)
             return call
 
@@ -454,8 +592,8 @@ class Backend:
             except TooLong as e:  # name the request's input, not the call's
                 raise TooLong(index[e.index], e.limit, e.message) from None
 
-        async def assembled(calls: list[Awaitable[tuple[list[int], Classified]]]) -> Classified:
-            parts = await _all(calls)
+        async def assembled(calls: list[Callable[[], Awaitable[tuple[list[int], Classified]]]]) -> Classified:
+            parts = await self._chunked(calls)
             labels = parts[0][1].labels
             probs = np.empty((len(texts), len(labels)), dtype=np.float32)
             tokens = np.empty(len(texts), dtype=np.int64)
@@ -463,10 +601,12 @@ class Backend:
                 probs[index], tokens[index] = part.probs, part.tokens
             return Classified(probs, labels, tokens)
 
-        return await self._here_or_ensemble(
-            model, [*texts, *(p for p in pairs if p is not None)],
-            lambda tok: assembled([numbered(one_here(tok), group, bool(paired))
-                                   for paired, group in enumerate(groups) if group]),
-            lambda: assembled([numbered(one, group[a:b], bool(paired)) for paired, group in enumerate(groups)
-                               for a, b in chunks([len(texts[i]) + len(pairs[i] or "") for i in group],
-                                                  self.chunk_texts, self.chunk_chars)]))
+        with self._admitted(model, chars) as work:
+            return await self._here_or_ensemble(
+                model, [*texts, *(p for p in pairs if p is not None)],
+                lambda tok: assembled([partial(numbered, one_here(tok), group, bool(paired))
+                                       for paired, group in enumerate(groups) if group]),
+                lambda: assembled([partial(numbered, one, group[a:b], bool(paired))
+                                   for paired, group in enumerate(groups)
+                                   for a, b in chunks([chars[i] for i in group],
+                                                      self.chunk_texts, self.chunk_chars)]))

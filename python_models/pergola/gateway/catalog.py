@@ -26,6 +26,33 @@ from pergola.options import convert
 
 log = logging.getLogger("pergola.gateway")
 ALIASES = ("embed", "rerank", "classify")
+# EngineConfig's defaults by field, read once: dataclasses.fields() costs ~10 us a call, and
+# admission asks for a limit on every request
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The ensemble's two steps by tensor name, for the gateway to make them as two calls:
+    Triton passes a gRPC client's cancellation to the model it calls, not to an ensemble's step in
+    flight (perf/experiments/cancel_paths.py: a given-up ensemble call's 8,191 tokens were all
+    encoded, a call straight to NAME_encoder's none), so bulk work goes to NAME_encoder itself."""
+
+    inputs: dict[str, str]  # ensemble input -> NAME_tokenizer input
+    feeds: dict[str, str]  # NAME_tokenizer output -> NAME_encoder input
+    outputs: dict[str, tuple[int, str]]  # ensemble output -> (step: 0 tokenizer, 1 encoder; that model's output)
+
+
+def pipeline(steps: list[dict[str, Any]]) -> Pipeline | None:
+    """An ensemble config's steps (as_json) as a Pipeline, None unless tokenizer then encoder."""
+    if len(steps) != 2:
+        return None
+    first, second = ({k: s.get(k, {}) for k in ("input_map", "output_map")} for s in steps)
+    into_encoder = {tensor: name for name, tensor in second["input_map"].items()}
+    feeds = {name: into_encoder[t] for name, t in first["output_map"].items() if t in into_encoder}
+    outputs = {t: (0, name) for name, t in first["output_map"].items() if t not in into_encoder}
+    outputs |= {t: (1, name) for name, t in second["output_map"].items()}
+    return Pipeline({t: name for name, t in first["input_map"].items()}, feeds, outputs)
 
 
 @dataclass
@@ -37,12 +64,11 @@ class ServedModel:
     labels: list[str] = field(default_factory=list)  # a classifier's label names (config.pbtxt `labels`)
     outputs: tuple[str, ...] = ("dense",)  # an embedder's OUTPUTS: bge-m3's sparse / colbert where declared
     version: str | None = None  # the encoder's served version (the newest ready one), None if unknown
+    pipeline: Pipeline | None = None  # the ensemble's steps (None: call the ensemble only)
 
     def limit(self, name: str) -> Any:
         """An EngineConfig limit as this model's server has it (its default if not written)."""
-        if name in self.settings:
-            return self.settings[name]
-        return next(f.default for f in fields(EngineConfig) if f.name == name)
+        return self.settings[name] if name in self.settings else _DEFAULTS[name]
 
     def text_limits(self, count_option: str = "max_texts") -> StringLimits:
         return StringLimits(self.limit(count_option), self.limit("max_text_chars"),
@@ -86,7 +112,7 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
     outputs = ("dense", *(o for o, tensor in (("sparse", "SPARSE_INDICES"), ("colbert", "TOKEN_EMBEDDINGS"))
                           if tensor in declared))
     return ServedModel(name, target, task, _settings(parameters), labels, outputs,
-                       await served_version(client, f"{target}_encoder"))
+                       await served_version(client, f"{target}_encoder"), pipeline(steps))
 
 
 async def served_version(client: grpcaio.InferenceServerClient, model: str) -> str | None:

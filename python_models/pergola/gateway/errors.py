@@ -16,22 +16,26 @@ _TYPES = {
     400: ("invalid_request_error", "Validation"),
     401: ("authentication_error", "Unauthorized"),
     404: ("not_found_error", "Validation"),
+    408: ("timeout_error", "Validation"),
     413: ("invalid_request_error", "Validation"),
     422: ("invalid_request_error", "Validation"),
     429: ("rate_limit_error", "Overloaded"),
     503: ("service_unavailable", "Unhealthy"),
     504: ("timeout_error", "Backend"),
 }
-RETRY_AFTER_S = 1  # what a 429 / 503 tells the client to wait
+RETRY_AFTER_S = 1  # what a 429 / 503 tells the client to wait, unless it says (admission.py: the backlog)
 
 
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after_s: int | None = None  # whole seconds
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+        if self.status not in (429, 503):
+            return {}
+        return {"Retry-After": str(self.retry_after_s or RETRY_AFTER_S)}
 
     def body(self, family: str) -> dict[str, Any]:
         openai_type, tei_type = _TYPES.get(self.status, ("server_error", "Backend"))

@@ -8,13 +8,14 @@ import logging
 from typing import Any, Awaitable, Callable
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pergola.errors import RequestError
 from pergola.gateway.errors import GatewayError, bad_request, refused
 
 log = logging.getLogger("pergola.gateway")
+CLIENT_GONE = 499  # nginx's status for a request whose client left first: counted, never sent
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", float: "a number",
                list: "a list", dict: "an object"}
 
@@ -61,11 +62,15 @@ async def read_body(request: Request, max_bytes: int) -> Body:
         raise GatewayError(413, f"the request body is {int(declared):,} bytes; the limit is {max_bytes:,} "
                                 "(--max-body-bytes): split the request")
     raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > max_bytes:
-            raise GatewayError(413, f"the request body is over the limit of {max_bytes:,} bytes "
-                                    "(--max-body-bytes): split the request")
+    try:
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_bytes:
+                raise GatewayError(413, f"the request body is over the limit of {max_bytes:,} bytes "
+                                        "(--max-body-bytes): split the request")
+    except ClientDisconnect:  # an aborted upload (or --body-timeout-s): nobody is left to answer
+        log.info("%s %s: the client left after %d bytes of its body", request.method, request.url.path, len(raw))
+        raise GatewayError(CLIENT_GONE, "the client left before sending the whole body") from None
     try:
         return Body(orjson.loads(raw))
     except orjson.JSONDecodeError as e:

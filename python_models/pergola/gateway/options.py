@@ -49,6 +49,43 @@ class GatewayOptions:
                                   "replicas concurrently and put back together in order")
     chunk_chars: int = option(65_536, "...and a chunk holds at most this many characters (one text over it is "
                                       "a chunk of its own)")
+    chunk_window: int = option(2, "...and at most this many chunks of one request are in flight at once per "
+                                  "replica, the next sent as one is answered: a request does not fill the "
+                                  "encoder's queue with its chunks, and when one fails (or the client leaves) "
+                                  "those not sent never are")
     request_timeout_s: float = option(60.0, "seconds a request may take end to end; Triton is told, so work "
-                                            "nobody waits for is dropped")
+                                            "nobody waits for is dropped. A request larger than --queue-bound-s "
+                                            "on its own is bounded by this, and refused with 413 when it would "
+                                            "take longer even on an idle server")
+    queue_bound_s: float = option(0.0, "a request is refused at once (429 + Retry-After, before any tokenizing) "
+                                       "when the work accepted ahead of it for its model, with its own, would "
+                                       "take longer than this at the throughput measured from answers "
+                                       "(gateway/admission.py); 0: the model's max_queue_seconds (10 s by "
+                                       "default), the encoder's own bound")
     max_body_bytes: int = option(32 << 20, "largest request body accepted (413 above it)")
+    header_timeout_s: float = option(10.0, "seconds a client has to send a request's headers, counted from its "
+                                           "connection's opening or from its next request's first byte; then "
+                                           "the connection is closed (an idle or slowloris client holds a file "
+                                           "for seconds, not for ever)")
+    body_timeout_s: float = option(60.0, "seconds a request's whole body has to arrive once its headers have; "
+                                         "then 408 and the connection is closed (one deadline for the body, not "
+                                         "one per read, which a byte at a time would renew for ever)")
+    keep_alive_timeout_s: float = option(30.0, "seconds an idle keep-alive connection is kept between requests")
+    max_connections: int = option(0, "open client connections per gateway process; past it the connection "
+                                     "idle longest is closed to make room, and when every one has a request "
+                                     "in flight the new one gets 503 + Retry-After; 0: the open-files limit "
+                                     "(raised to its hard limit at start) less room for Triton connections "
+                                     "and files (an eighth of it, at least 1,024)")
+    batch_data: str = option("~/.local/share/pergola/batch", "folder of the Batch API's files (/v1/files uploads, "
+                                                             "each job's output and error files); jobs resume "
+                                                             "from it after a restart", metavar="DIR")
+    batch_database: str | None = option(None, "SQLite database of the Batch API's files and jobs (default: "
+                                              "BATCH_DATA/batch.sqlite3)", metavar="FILE")
+    batch_max_file_bytes: int = option(200 << 20, "largest file POST /v1/files accepts (413 above it)")
+    batch_max_lines: int = option(50_000, "most lines in one batch input file (413 above it)")
+    batch_concurrency: int = option(4, "calls a batch job keeps in flight to the replicas; its other lines wait "
+                                       "in the job, not in the encoders' queues")
+    batch_call_chars: int = option(65_536, "a batch job packs lines of one model and one set of options into "
+                                           "calls of about this many characters (within the model's max_texts "
+                                           "and max_request_chars): large calls ride the encoders' bulk lane, "
+                                           "behind every query")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from pergola.admin import read_token
+from pergola.gateway.admission import Admission
 from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
 from pergola.gateway.errors import GatewayError
@@ -77,7 +78,8 @@ class Gateway:
         keys = api_keys(opts)
         self.backend = Backend(self.pool, opts.chunk_texts, opts.chunk_chars, opts.request_timeout_s,
                                keys[0] if keys else None,
-                               LocalTokenizers(opts.triton_repository, opts.gateway_tokenize_chars))
+                               LocalTokenizers(opts.triton_repository, opts.gateway_tokenize_chars),
+                               Admission(opts.request_timeout_s, opts.queue_bound_s), opts.chunk_window)
         self.recovering = Recovering(opts.triton_repository)
         self.started = int(time.time())
         self._models: dict[str, ServedModel] = {}

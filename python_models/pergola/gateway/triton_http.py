@@ -172,16 +172,18 @@ class TritonHTTP:
         return conn
 
     async def infer(self, model: str, inputs: list[Tensor], outputs: list[str], version: str = "",
-                    timeout_s: float | None = None, headers: dict[str, str] | None = None) -> Answer:
-        """Outputs `outputs` of `model` for `inputs`; Triton is told the deadline too (µs)."""
+                    timeout_s: float | None = None, headers: dict[str, str] | None = None,
+                    parameters: dict[str, Any] | None = None) -> Answer:
+        """Outputs `outputs` of `model` for `inputs`; Triton is told the deadline too (µs), and
+        the request's `parameters`."""
         path = f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
         raws = [t.raw() for t in inputs]
         request: dict[str, Any] = {
             "inputs": [{"name": t.name, "shape": list(t.array.shape), "datatype": t.datatype,
                         "parameters": {"binary_data_size": len(raw)}} for t, raw in zip(inputs, raws)],
             "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs]}
-        if timeout_s is not None:
-            request["parameters"] = {"timeout": int(timeout_s * 1e6)}
+        if timeout_s is not None or parameters:
+            request["parameters"] = (parameters or {}) | ({"timeout": int(timeout_s * 1e6)} if timeout_s else {})
         body = orjson.dumps(request)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.address}\r\nContent-Type: application/octet-stream\r\n"
