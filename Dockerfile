@@ -71,6 +71,8 @@ RUN pip install --no-cache-dir --no-deps -e .
 ENV PERGOLA_TRITON_ROOT=/opt/tritonserver PERGOLA_REPO=/opt/model_repository PERGOLA_DEVICE=gpu \
     HF_HOME=/var/cache/huggingface
 RUN if [ -n "${PREFETCH}" ]; then echo "${PREFETCH}" | xargs pergola download; fi
+# 8080: the gateway. Triton's 8000-8002 listen on the container's loopback behind it unless
+# PERGOLA_BIND=0.0.0.0 opens them (refused with API keys: they would be on Triton's command line).
 EXPOSE 8080 8000 8001 8002
 # PERGOLA_MODEL: a Hub id or folder (NAME=... to name it); default: the folder mounted at /models/default.
 CMD ["sh", "-c", "exec pergola serve --model \"${PERGOLA_MODEL:-${PERGOLA_MODEL_NAME:-default}=/models/default}\""]

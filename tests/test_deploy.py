@@ -168,8 +168,10 @@ def test_keys_from_a_secret_and_several_named_models(tmp_path):
                       "huggingface": {"tokenSecret": "hf", "offline": True},
                       "models": [{"id": "BAAI/bge-m3", "name": "bge"}, {"id": "org/reranker@v2"}]}, tmp_path)
     triton, gateway = (objects[("Deployment", f"demo-pergola-{c}")] for c in ("triton", "gateway"))
-    for obj in (triton, gateway):
-        assert env_of(obj)["PERGOLA_API_KEY"] == {"secretKeyRef": {"name": "pergola-keys", "key": "keys"}}
+    assert env_of(gateway)["PERGOLA_API_KEY"] == {"secretKeyRef": {"name": "pergola-keys", "key": "keys"}}
+    assert "PERGOLA_API_KEY" not in env_of(triton)  # (Triton would take it only on its command line)
+    policy = objects[("NetworkPolicy", "demo-pergola-triton")]["spec"]  # the gateway alone reaches inference
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
     assert env_of(triton)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}
     assert env_of(triton)["HF_HUB_OFFLINE"] == "1"
     assert container(triton)["args"][:4] == ["--model", "bge=BAAI/bge-m3", "--model", "org/reranker@v2"]

@@ -1,5 +1,6 @@
 """`pergola serve` as a careless or hostile client meets it: closed admin doors, recovery from
-dead stubs every time, a clean shutdown, one server per repository folder."""
+dead stubs every time (the model alone) and from crashes of tritonserver itself (the server), a
+clean shutdown, one server per repository folder."""
 
 from __future__ import annotations
 
@@ -178,8 +179,9 @@ def ready(served: ServeProcess) -> bool:
 
 
 def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
-    """Three kills of the encoder's stub in a row under steady traffic: each time readiness goes
-    false, service is back within 15 s, and no answer is ever wrong."""
+    """Three kills of the encoder's stub in a row under steady traffic: each time the model is
+    loaded again on its own (the server is not restarted), it answers again within 15 s, and no
+    answer is ever wrong (tests/test_fault_locality.py: the other models meanwhile)."""
     from pergola.supervisor import stub_pids
     from pergola_client import PergolaClient
 
@@ -196,6 +198,7 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
                 time.sleep(0.1)
             time.sleep(0.05)
 
+    server = tritonserver_pid(served.repo)
     thread = threading.Thread(target=traffic, daemon=True)
     thread.start()
     recoveries = []
@@ -204,22 +207,23 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
             [stub] = stub_pids(served.repo)["mini_encoder"]
             killed_at = time.monotonic()
             os.kill(stub, signal.SIGKILL)
-            saw_not_ready = False
             while time.monotonic() - killed_at < 60:
-                saw_not_ready |= not ready(served)
-                ok = [t for t, a in answers if t > killed_at + 0.5 and isinstance(a, np.ndarray)]
-                if ok and saw_not_ready:
+                failed = [t for t, a in answers if t > killed_at and not isinstance(a, np.ndarray)]
+                ok = [t for t, a in answers if t > max(failed, default=killed_at) and isinstance(a, np.ndarray)]
+                if failed and ok:
                     recoveries.append(ok[0] - killed_at)
                     break
                 time.sleep(0.2)
-            assert saw_not_ready, "readiness stayed true while the encoder's stub was dead"
             assert len(recoveries) == _ + 1, served.log_tail()
             assert stub_pids(served.repo)["mini_encoder"] != [stub]
-            time.sleep(1.0)  # steady service before the next kill
+            steady = time.monotonic() + 30  # steady service (a few correct answers) before the next kill
+            while sum(isinstance(a, np.ndarray) for t, a in answers if t > killed_at) < 4 and time.monotonic() < steady:
+                time.sleep(0.2)
     finally:
         stop.set()
         thread.join(timeout=30)
     assert served.proc.poll() is None
+    assert tritonserver_pid(served.repo) == server, "the whole server was restarted"
     print(f"recovered after {', '.join(f'{r:.1f}' for r in recoveries)} s")
     assert max(recoveries) <= 15.0, recoveries
     good = [a for _, a in answers if isinstance(a, np.ndarray)]

@@ -7,6 +7,10 @@ restrict them. `pergola serve` starts tritonserver with `--http-restricted-api` 
 metadata GRPC_ADMIN_HEADER): a call without the token is refused ("This API is restricted, expecting header ..."), inference and
 health stay open. The token is generated at start into a 0600 file in the repository folder
 (or read from `--admin-token-file`); `pergola add-version` and the stub supervisor send it.
+Triton 2.51 takes these keys only on its command line, which every user of the host can read:
+the API keys of `--api-key` therefore never go to tritonserver (the gateway checks them, and
+Triton's ports stay on loopback behind it: cli.serve), and the admin token is one random
+value per start unless `--admin-token-file` gives one.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ ADMIN_HEADER = "pergola-admin-token"
 # Triton's gRPC frontend expects restricted-protocol keys with this prefix in the call metadata.
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
-# With `--api-key`, Triton's inference needs the key too: Triton's restricted APIs take a header
-# (gRPC: metadata with Triton's prefix), not `Authorization: Bearer`, which the gateway checks.
+# A key the gateway sends to Triton's inference (header, gRPC metadata with Triton's prefix); Triton
+# asks for none since `pergola serve` keeps API keys off its command line (module docstring).
 API_KEY_HEADER = "pergola-api-key"
 GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 TOKEN_FILE_NAME = ".admin-token"
+# A config parameter that a recovery load sets to a new value: the changed config makes Triton load
+# a fresh copy of the model (a load that changes nothing is a no-op; pergola/supervisor.py).
+RECOVERY_PARAMETER = "pergola_recovery"
 # Triton parses `APIS:KEY=VALUE`; a token holds none of ':', '=', ',' or whitespace.
 _TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
 
@@ -69,16 +76,11 @@ def write_token(path: str | Path, token: str | None = None) -> str:
     return token
 
 
-def restricted_api_flags(token: str, api_key: str | None = None) -> list[str]:
-    """tritonserver flags that put RESTRICTED_APIS behind the token on both protocols, and
-    inference behind `api_key` (header API_KEY_HEADER) when one is given."""
+def restricted_api_flags(token: str) -> list[str]:
+    """tritonserver flags that put RESTRICTED_APIS behind the token on both protocols."""
     apis = ",".join(RESTRICTED_APIS)
-    flags = [f"--http-restricted-api={apis}:{ADMIN_HEADER}={token}",
-             f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={token}"]
-    if api_key:
-        flags += [f"--http-restricted-api=inference:{API_KEY_HEADER}={api_key}",
-                  f"--grpc-restricted-protocol=inference:{API_KEY_HEADER}={api_key}"]
-    return flags
+    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={token}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={token}"]
 
 
 def redact(cmd: list[str], *secrets: str | None) -> list[str]:
@@ -129,3 +131,29 @@ class RepositoryClient:
 
     def unload(self, name: str) -> None:
         self._post(f"/v2/repository/models/{name}/unload", timeout=60)
+
+
+class ModelLoader:
+    """Triton's repository load over gRPC, with the admin token (pergola/supervisor.py: a load
+    over HTTP held the inference requests of other models that shared its Triton HTTP thread)."""
+
+    def __init__(self, address: str, token: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(address)
+        self.headers = {GRPC_ADMIN_HEADER: token}
+
+    def reload(self, name: str, mark: str, timeout_s: float) -> None:
+        """Load `name` again from its files, with the config it runs and RECOVERY_PARAMETER =
+        `mark` (a value it never had); returns once the fresh copy serves, raises AdminError."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = self.client.get_model_config(name, as_json=True, client_timeout=30)["config"]
+            config.setdefault("parameters", {})[RECOVERY_PARAMETER] = {"string_value": mark}
+            self.client.load_model(name, headers=self.headers, config=json.dumps(config), client_timeout=timeout_s)
+        except InferenceServerException as e:
+            raise AdminError(f"loading {name}: {e.message()}") from None
+
+    def close(self) -> None:
+        self.client.close()

@@ -148,8 +148,9 @@ def serve(args: argparse.Namespace) -> None:
     from pergola.admin import AdminError, default_token_file, read_token, write_token
     from pergola.gateway.app import watch
     from pergola.gateway.connections import preflight
-    from pergola.server import RepoLock, ServerError, exec_foreground, serve_supervised
+    from pergola.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
 
+    bind = triton_address(args)
     try:
         lock = RepoLock(args.repo)  # held until the server exits
         token = read_token(args.admin_token_file) if args.admin_token_file else None
@@ -163,7 +164,9 @@ def serve(args: argparse.Namespace) -> None:
         token = write_token(token_file)
     print(f"admin token: {token_file} (header {ADMIN_HEADER}: the repository, logging, trace and "
           "shared-memory APIs refuse calls without it)", flush=True)
-    opts = ServerOptions(repo=repo, admin_token=token, api_key=inference_key(args), **values_from(args, ServerOptions))
+    opts = ServerOptions(repo=repo, admin_token=token, **(values_from(args, ServerOptions) | {"bind": bind}))
+    print(f"triton: HTTP {bind}:{opts.http_port}, gRPC {bind}:{opts.grpc_port}, metrics {bind}:{opts.metrics_port}"
+          f"{' (this host only, behind the gateway; --bind to open them)' if is_loopback(bind) else ''}", flush=True)
     if opts.otlp_endpoint:  # the gateway's spans go to the same collector (gateway/tracing.py)
         os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", opts.otlp_endpoint)
     gateway = start_gateway(args, opts, token_file)
@@ -186,19 +189,23 @@ def serve(args: argparse.Namespace) -> None:
             gateway.wait(timeout=15)
 
 
-def inference_key(args: argparse.Namespace) -> str | None:
-    """The first API key: Triton's inference needs it too when the gateway asks for keys."""
-    from pergola.admin import AdminError, check_token
-    from pergola.gateway.options import GatewayOptions
+def triton_address(args: argparse.Namespace) -> str:
+    """Where Triton's ports listen: --bind, else loopback while the gateway fronts the server and
+    every interface without it. API keys stay in the gateway: Triton 2.51 takes keys only on its
+    command line, which every user of the host can read (`ps`), so an address other hosts reach
+    is refused when keys are set, rather than served open or with the key in the process list."""
     from pergola.gateway.state import api_keys
+    from pergola.server import LOOPBACK, is_loopback
 
-    keys = api_keys(GatewayOptions(**values_from(args, GatewayOptions)))
-    if not keys:
-        return None
-    try:
-        return check_token(keys[0], "--api-key", "an API key")
-    except AdminError as e:
-        raise SystemExit(f"pergola serve: {e}") from None
+    address = args.bind or (LOOPBACK if args.gateway_port else "0.0.0.0")
+    if not is_loopback(address) and api_keys(GatewayOptions(**values_from(args, GatewayOptions))):
+        where = "every interface" if address in ("0.0.0.0", "::") else address
+        raise SystemExit(f"pergola serve: --api-key with Triton's ports on {where} (--bind {address}"
+                         f"{', --gateway-port 0' if not args.gateway_port else ''}): Triton takes keys only on its "
+                         "command line, where every user of this host can read them, so they stay in the gateway. "
+                         "Serve clients through the gateway (Triton's ports then stay on 127.0.0.1), or keep "
+                         "--bind 127.0.0.1 and put a proxy with its own authentication in front of Triton")
+    return address
 
 
 def start_gateway(args: argparse.Namespace, server: "ServerOptions", token_file: Path):

@@ -99,6 +99,21 @@ class TritonInstall:
         return env
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(address: str) -> bool:
+    """Does `address` (an IP or a host name) listen on this host only?"""
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
 @dataclass
 class ServerOptions:
     """How tritonserver runs; the declared options are `pergola serve` flags (pergola.options)."""
@@ -107,11 +122,15 @@ class ServerOptions:
     http_port: int = option(8000, "HTTP port (Triton's KServe v2 REST API)")
     grpc_port: int = option(8001, "gRPC port")
     metrics_port: int = option(8002, "Prometheus metrics port")
-    bind: str = option("0.0.0.0", "address the HTTP, gRPC and metrics ports listen on (0.0.0.0: every interface; "
-                                  "127.0.0.1 keeps the server to this host)", metavar="ADDRESS")
+    bind: str | None = option(None, "address the HTTP, gRPC and metrics ports listen on; not set: 127.0.0.1 (this "
+                                    "host only) while the gateway fronts the server, 0.0.0.0 (every interface) "
+                                    "with --gateway-port 0. Triton's ports trust every caller with inference, "
+                                    "and API keys never go to them (kept off its command line): with --api-key, "
+                                    "an address other hosts reach is refused", metavar="ADDRESS")
     model_control: str = option("explicit", "explicit: repository API on (behind the admin token) and a stub "
-                                            "supervisor that restarts the server when a stub dies; none: load "
-                                            "everything once, no restarts", choices=("explicit", "none"))
+                                            "supervisor that loads a model again when one of its stubs dies (the "
+                                            "server again if that fails); none: load everything once, no "
+                                            "recovery", choices=("explicit", "none"))
     admin_token_file: str | None = option(None, "file holding the admin token that the repository, logging, "
                                                 "trace and shared-memory APIs require; not set: a new random "
                                                 "token in REPO/.admin-token (mode 0600) at every start", metavar="FILE")
@@ -130,7 +149,6 @@ class ServerOptions:
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
     # token (pergola.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
-    api_key: str | None = None  # inference needs it too (the gateway's first --api-key)
     extra: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -141,9 +159,14 @@ class ServerOptions:
             raise ValueError(f"--trace-rate must be at least 1, got {self.trace_rate}")
 
     @property
+    def address(self) -> str:
+        """Where the ports listen: `bind`, loopback when it is not set (`pergola serve` sets it)."""
+        return self.bind or LOOPBACK
+
+    @property
     def local_host(self) -> str:
         """Where this machine reaches the server (the wildcard binds answer on loopback)."""
-        return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+        return LOOPBACK if self.address in ("0.0.0.0", "::") else self.address
 
 
 def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
@@ -151,18 +174,22 @@ def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
         str(install.binary),
         f"--model-repository={opts.repo}",
         f"--backend-directory={install.backend_dir}",
-        f"--http-address={opts.bind}",
+        f"--http-address={opts.address}",
         f"--http-port={opts.http_port}",
-        f"--grpc-address={opts.bind}",
+        f"--grpc-address={opts.address}",
         f"--grpc-port={opts.grpc_port}",
-        f"--metrics-address={opts.bind}",
+        f"--metrics-address={opts.address}",
         f"--metrics-port={opts.metrics_port}",
         f"--model-control-mode={opts.model_control}",
         f"--log-verbose={opts.log_verbose}",
         f"--backend-config=python,shm-default-byte-size={opts.shm_bytes}",
         f"--backend-config=python,shm-growth-byte-size={opts.shm_bytes}",
         "--strict-readiness=true",
-        *restricted_api_flags(opts.admin_token, opts.api_key),
+        # The configs are complete (repo_builder): without this the Python backend starts one more
+        # stub per model load only to complete its config, 3-9 s of imports at every start and
+        # every per-model recovery on the 2-core CPU host (supervisor.py).
+        "--disable-auto-complete-config",
+        *restricted_api_flags(opts.admin_token),
         *(["--load-model=*"] if opts.model_control == "explicit" else []),
         *trace_flags(opts),
         *opts.extra,
@@ -303,15 +330,24 @@ def _remove_shm(prefix: str) -> None:
 
 
 FATAL_SIGNAL = re.compile(rb"^Signal \((4|6|7|8|11)\) received")  # SIGILL, ABRT, BUS, FPE, SEGV
+# Triton's shutdown, once no request is in flight: the model versions it still waits for
+LIVE_MODELS = re.compile(rb"Found (\d+) live models and 0 in-flight non-inference requests")
 
 
-def _forward_output(proc: subprocess.Popen) -> list[str]:
-    """Copy tritonserver's output to ours, line by line, from a thread; the returned list gets
-    the fatal signal's line if one is reported. Why watch the log: after "Signal (11)
-    received" Triton's handler calls exit(), which can deadlock while its HTTP threads still
-    answer /v2/health (seen with Triton issue #5840's crash), so the process neither exits nor
-    looks dead."""
-    crashed: list[str] = []
+@dataclass
+class ServerOutput:
+    """What _forward_output has read in tritonserver's output so far."""
+
+    crashed: list[str] = field(default_factory=list)  # the fatal signal's line, once reported
+    live_models: int | None = None  # while shutting down: the model versions not unloaded yet
+
+
+def _forward_output(proc: subprocess.Popen) -> ServerOutput:
+    """Copy tritonserver's output to ours, line by line, from a thread, noting what it reports
+    (ServerOutput). Why watch the log: after "Signal (11) received" Triton's handler calls
+    exit(), which can deadlock while its HTTP threads still answer /v2/health (seen with Triton
+    issue #5840's crash), so the process neither exits nor looks dead."""
+    out = ServerOutput()
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -319,10 +355,34 @@ def _forward_output(proc: subprocess.Popen) -> list[str]:
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
             if FATAL_SIGNAL.match(line):
-                crashed.append(line.decode(errors="replace").strip())
+                out.crashed.append(line.decode(errors="replace").strip())
+            elif found := LIVE_MODELS.search(line):
+                out.live_models = int(found[1])
 
     threading.Thread(target=pump, name="tritonserver-output", daemon=True).start()
-    return crashed
+    return out
+
+
+def _wait_exit(proc: subprocess.Popen, repo: Path, out: ServerOutput, orphans: int, timeout_s: float = 45.0) -> int:
+    """tritonserver's exit code once it has stopped. A model copy replaced after its stub died is
+    never unloaded (pergola/supervisor.py), and Triton's shutdown would wait its whole exit
+    timeout (30 s) for it: once no more versions are left than such copies (`orphans`; Triton's
+    shutdown log counts them), the server is ended at once. Triton waits up to its exit timeout for
+    in-flight requests; one that hangs longer is killed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if orphans and out.live_models is not None and out.live_models <= orphans:
+            print(f"pergola: only the {out.live_models} replaced model copies are left; ending tritonserver",
+                  flush=True)
+            _stop_now(proc, repo, grace_s=0)
+            return 0
+    print(f"pergola: tritonserver did not exit within {timeout_s:.0f} s of the signal; killing it", flush=True)
+    _stop_now(proc, repo, grace_s=0)
+    return 1
 
 
 CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
@@ -354,23 +414,25 @@ def server_memory_limit(gb: float) -> int:
 
 
 def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = None) -> int:
-    """Run tritonserver in the foreground and restart it whenever a model's stub dies or the
-    server itself crashes while serving (`make serve`).
+    """Run tritonserver in the foreground: load a model again when one of its stubs dies, and
+    restart the server when that fails or the server itself crashes, hangs or runs away with
+    memory while serving (`make serve`; pergola/supervisor.py).
 
     SIGINT and SIGTERM end the watch first (no restart may race the shutdown), call `on_stop`
     (`pergola serve`: the gateway's own graceful stop, which closes its connections to
-    tritonserver, whose shutdown waits for them), then go to tritonserver, whose exit code this returns; so does a server that exits before it was ever
-    ready (a configuration error: restarting would not help). Why a restart rather than a model
-    reload: pergola/supervisor.py.
+    tritonserver, whose shutdown waits for them), then go to tritonserver, whose exit code this
+    returns; so does a server that exits before it was ever ready (a configuration error:
+    restarting would not help).
     """
-    from pergola.admin import RepositoryClient
+    from pergola.admin import ModelLoader, RepositoryClient
     from pergola.supervisor import Supervisor
 
     install = TritonInstall.prepare()
     shm_prefix = f"pergola_{os.getpid()}_"
     cmd = server_command(install, opts) + [f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
-    print("+ " + " ".join(redact(cmd, opts.admin_token, opts.api_key)), flush=True)
+    print("+ " + " ".join(redact(cmd, opts.admin_token)), flush=True)
     supervisor = Supervisor(opts.repo, RepositoryClient(f"{opts.local_host}:{opts.http_port}", opts.admin_token),
+                            ModelLoader(f"{opts.local_host}:{opts.grpc_port}", opts.admin_token),
                             memory_limit_bytes=server_memory_limit(opts.server_memory_gb))
     stopping = False
     proc: subprocess.Popen | None = None
@@ -389,7 +451,8 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
     restarts = 0
     while not stopping:
         proc = popen_tied(cmd, env=install.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        crashed = _forward_output(proc)
+        output = _forward_output(proc)
+        crashed = output.crashed
         try:
             wait_ready(opts.http_port, proc, timeout=600, host=opts.local_host, crashed=crashed)
             reason = supervisor.watch(lambda: proc.poll() is None and not stopping and not crashed, pid=proc.pid)
@@ -409,12 +472,7 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
         _remove_shm(shm_prefix)
     rc = 0
     if proc is not None:
-        try:  # Triton waits up to its exit timeout (30 s) for in-flight requests; a hung one is killed
-            rc = proc.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            print("pergola: tritonserver did not exit within 45 s of the signal; killing it", flush=True)
-            _stop_now(proc, opts.repo, grace_s=0)
-            rc = 1
+        rc = _wait_exit(proc, opts.repo, output, orphans=supervisor.recovered)
     _remove_shm(shm_prefix)
     return rc
 
@@ -423,7 +481,7 @@ def exec_foreground(opts: ServerOptions, lock: RepoLock | None = None) -> None:
     """Replace this process with tritonserver (`make serve`): signals go straight to it."""
     install = TritonInstall.prepare()
     cmd = server_command(install, opts)
-    print("+ " + " ".join(redact(cmd, opts.admin_token, opts.api_key)), flush=True)
+    print("+ " + " ".join(redact(cmd, opts.admin_token)), flush=True)
     if lock is not None:
         lock.keep_across_exec()
     os.execve(cmd[0], cmd, install.env())

@@ -220,8 +220,13 @@ class EncodeLoop:
 
     def _measure(self) -> None:
         """Seed the throughput with two full steps of a dummy batch (the first warms up),
-        so that admission works from the first request of a flood."""
+        so that admission works from the first request of a flood. On the CPU, quarter steps: a
+        step's tokens per second hardly depend on its size there (MiniLM, one thread: 680-1,040
+        tokens/s at 256 and 1,024 tokens), and the two full steps took 2.3 s of every start and of
+        every reload after a crash (pergola/supervisor.py), 4-5 s on a busy 2-core host."""
         budget, length = self.engine.cfg.step_tokens, min(128, self.engine.spec.max_seq_length)
+        if self.engine.device.type != "cuda":
+            budget = max(length, budget // 4)
         count = max(1, min(budget // length, self.engine.cfg.max_batch_seqs))
         dummy = EncodeRequest(np.zeros(count * length, np.int64), np.full(count, length, np.int32))
         for _ in range(2):

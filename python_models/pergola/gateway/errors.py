@@ -8,6 +8,7 @@ Each API family wraps the same error in its own envelope (clients parse it):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # status -> (OpenAI error type, TEI error_type)
@@ -52,6 +53,10 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 
 # Triton's refusals that another replica (or a later retry) may accept.
 _OVERLOAD_MARKS = ("queued tokens", "Exceeds maximum queue size", "max_queue_seconds")
+# A model instance whose Python stub process died (Triton 2.51 answers INTERNAL, HTTP 500, for each
+# request that reaches it): `pergola serve` loads that model again within seconds
+# (pergola/supervisor.py), so it is a model away, 503 + Retry-After, not a server error.
+_STUB_DEAD = re.compile(r"Stub process (?:'[^']*' )?is (?:not healthy|unhealthy)|Failed to restart the stub process")
 # The encoder's answer to a request past its deadline (engine/loop.py's Cancelled): CANCELLED over
 # gRPC, but Triton's HTTP door answers CANCELLED as 400 like a bad input, so the message decides.
 _DEADLINE_MARKS = ("timeout passed before it was computed", "cannot finish before its timeout")
@@ -70,6 +75,9 @@ def from_triton(status: str, message: str) -> GatewayError:
     # UNAVAILABLE "... version N is not at ready state": not a replica that is down)
     if "Request for unknown model" in message or code == "INVALID_ARGUMENT" and "is not found" in message:
         return GatewayError(404, message)
+    if _STUB_DEAD.search(message):
+        return GatewayError(503, f"{message} (a process of this model stopped; it is being loaded again: retry "
+                                 "shortly)")
     if code in ("DEADLINE_EXCEEDED", "CANCELLED") or any(mark in message for mark in _DEADLINE_MARKS):
         return GatewayError(504, message)
     if code == "INVALID_ARGUMENT":

@@ -19,8 +19,9 @@ class GatewayOptions:
                                      "with `pergola serve`, 0 turns the gateway off")
     gateway_workers: int = option(1, "gateway worker processes (each one event loop)")
     api_key: str | None = option(None, "keys the gateway's routes (all but /health) require as "
-                                       "`Authorization: Bearer KEY`, comma-separated; `pergola serve` "
-                                       "also puts Triton's inference behind the first one", metavar="KEY[,...]")
+                                       "`Authorization: Bearer KEY`, comma-separated; they stay in the gateway "
+                                       "(`pergola serve` keeps Triton's ports on loopback behind it, and never "
+                                       "puts a key on a command line)", metavar="KEY[,...]")
     api_key_file: str | None = option(None, "file of API keys, one per line (added to --api-key)", metavar="FILE")
     triton_admin_token_file: str | None = option(None, "admin token file of the Triton server(s): lets the "
                                                        "gateway list every served model (without it: `embed`, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pergola.gateway.offload import Offload
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.replicas import ReplicaPool, http_ports, split_target
 from pergola.gateway.tokenizers import LocalTokenizers
+from pergola.supervisor import RECOVERING_FILE, read_recovering
 
 log = logging.getLogger("pergola.gateway")
 DEFAULT_MODELS = {"embed": "embed", "rerank": "rerank", "classify": "classify"}  # task -> served name when a request names none
@@ -45,6 +47,33 @@ def replica_targets(opts: GatewayOptions) -> tuple[list[str], list[int]]:
     return targets, http_ports(opts.triton_http_port, targets)
 
 
+class Recovering:
+    """The model parts (NAME_tokenizer, NAME_encoder) that `pergola serve` is loading again after
+    one of their stubs died (pergola/supervisor.py writes them to RECOVERING_FILE in the repository
+    it serves), read again whenever the file changes. Triton's own per-model readiness stays true
+    meanwhile: Triton does not know its stub is gone."""
+
+    def __init__(self, repository: str | None) -> None:
+        self.path = Path(repository) / RECOVERING_FILE if repository else None
+        self._seen: tuple[int, dict[str, dict]] = (0, {})  # (file's mtime_ns, its parts)
+
+    def parts(self) -> dict[str, dict]:
+        if self.path is None:
+            return {}
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return {}
+        if mtime != self._seen[0]:
+            self._seen = (mtime, read_recovering(self.path.parent))
+        return self._seen[1]
+
+    def of(self, model: ServedModel) -> list[str]:
+        """The parts of `model` being loaded again (none: it is ready as far as is known here)."""
+        parts = self.parts()
+        return [p for p in (f"{model.target}_tokenizer", f"{model.target}_encoder") if p in parts]
+
+
 class Gateway:
     def __init__(self, opts: GatewayOptions) -> None:
         self.opts = opts
@@ -58,6 +87,7 @@ class Gateway:
                                Admission(opts.request_timeout_s, opts.queue_bound_s), opts.chunk_window)
         self.offload = Offload(opts.gateway_cpu_workers, opts.gateway_cpu_queue)  # bulk CPU work (offload.py)
         self.offload.warm()
+        self.recovering = Recovering(opts.triton_repository)
         self.started = int(time.time())
         self._models: dict[str, ServedModel] = {}
         self._looked_at = float("-inf")

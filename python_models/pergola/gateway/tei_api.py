@@ -269,7 +269,17 @@ async def info(gw: Gateway, request: Request) -> dict[str, Any]:
 
 
 async def health(gw: Gateway, request: Request) -> Response:
-    """200 when a Triton replica is ready and serves a model; 503 otherwise (no key needed)."""
-    if await gw.pool.ready() and await gw.catalog():
-        return Response(status_code=200)
-    return JSONResponse({"error": "no Triton replica is ready", "error_type": "Unhealthy"}, status_code=503)
+    """200 when a Triton replica is ready and serves a model; 503 otherwise (no key needed).
+    ?model=NAME: that model's own readiness, 503 + Retry-After while `pergola serve` loads it
+    again after one of its processes died (the others stay ready; gateway/state.py Recovering)."""
+    name = request.query_params.get("model")
+    if not (await gw.pool.ready() and await gw.catalog()):
+        return JSONResponse({"error": "no Triton replica is ready", "error_type": "Unhealthy"}, status_code=503)
+    if name is not None:
+        model = (await gw.catalog()).get(name)
+        if model is None:
+            raise GatewayError(404, f"model {name[:200]!r} is not served here", "model")
+        if gw.recovering.of(model):
+            raise GatewayError(503, f"model {name!r} is being loaded again after a process of it stopped "
+                                    f"({', '.join(gw.recovering.of(model))}); retry shortly")
+    return Response(status_code=200)

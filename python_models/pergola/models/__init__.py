@@ -8,9 +8,11 @@ onto its parameters in the attributes of `Model`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -121,6 +123,26 @@ def _materialize(model: Model, device: torch.device, dtype: torch.dtype) -> Mode
     return model
 
 
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Module constructors skip their random fills (torch.nn.init's in-place functions do nothing):
+    the model is built on the meta device and its memory comes uninitialised from _materialize.
+
+    Why: on the meta device nn.Embedding's normal_ runs as a Python reference whose first call
+    imports torch._dynamo, 3.4 s of a MiniLM encoder's 3.7 s build on the 2-core CPU host (7.4 of
+    8.2 s while that host was busy), paid at every stub start and every per-model recovery
+    (pergola/supervisor.py). Not thread-safe: it swaps torch.nn.init's functions while it runs."""
+    names = [n for n in vars(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles: TileTable,
                 quantization: str = "none", fold_norms: bool = False, fp8_bf16_layers: int = 0) -> Model:
     """Instantiate the architecture without initialising it, load the folder's weights, and give
@@ -139,7 +161,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tiles
         kwargs["causal"] = spec.causal
     if yes_no_head(spec):  # a causal LM reranker: the answer tokens' rows of its LM head
         kwargs["answer_ids"] = answer_ids(spec)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = model_class(spec.architecture)(spec.hf_config, **kwargs)
     model = _materialize(model, device, dtype)
     load_weights(model, spec.path)

@@ -31,8 +31,10 @@ app.kubernetes.io/component: {{ .component }}
 {{ include "pergola.fullname" . }}-triton
 {{- end -}}
 
-{{/* Environment both components need: the API keys, when a Secret holds them. */}}
-{{- define "pergola.sharedEnv" -}}
+{{/* The gateway's API keys, when a Secret holds them. Never given to the Triton pods: Triton takes
+keys only on its command line, readable in the process list, and `pergola serve` refuses them with
+its ports open to other hosts; the NetworkPolicy (networkPolicy.enabled) keeps other pods off them. */}}
+{{- define "pergola.keysEnv" -}}
 {{- if .Values.apiKeys.existingSecret -}}
 - name: PERGOLA_API_KEY
   valueFrom:
