@@ -49,7 +49,7 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, check=check)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (session: set up before the session-wide reference vectors)
 def image() -> str:
     if not shutil.which("podman"):
         unavailable("podman is not installed (make test-container installs it: scripts/container_base.sh)")
