@@ -251,9 +251,55 @@ def test_the_dockerfile_lints():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def stages() -> dict[str, str]:
+    """The Dockerfile's stages: name -> its text from FROM on (in the file's order)."""
+    parts = re.split(r"^(?=FROM )", DOCKERFILE.read_text(), flags=re.M)[1:]
+    return {re.match(r"FROM \S+ AS (\w+)", part)[1]: part for part in parts}
+
+
+def test_one_dockerfile_two_targets_on_one_base():
+    """`cpu` and `gpu` (the default: the last stage) both start from ARG BASE, run the same
+    command and publish the gateway's port only."""
+    text, found = DOCKERFILE.read_text(), stages()
+    assert list(found) == ["flashinfer", "cpu", "gpu"]
+    assert re.search(r"^ARG BASE=nvcr\.io/nvidia/tritonserver:\S+$", text, re.M)
+    for name in ("cpu", "gpu"):
+        assert found[name].startswith(f"FROM ${{BASE}} AS {name}\n")
+        assert re.findall(r"^EXPOSE .*$", found[name], re.M) == ["EXPOSE 8080"]
+    cmds = {name: re.findall(r"^CMD .*$", found[name], re.M) for name in ("cpu", "gpu")}
+    assert cmds["cpu"] == cmds["gpu"] and len(cmds["cpu"]) == 1 and "PERGOLA_BIND:-127.0.0.1" in cmds["cpu"][0]
+    assert "--from=flashinfer" not in found["cpu"]  # a CPU build needs no CUDA image
+
+
+def test_everything_the_dockerfile_copies_is_in_the_build_context():
+    """.dockerignore leaves out everything but what is copied (a .venv would be sent at every build)."""
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in ignore
+    kept = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
+    for line in re.findall(r"^COPY (?!--from)(.+)$", DOCKERFILE.read_text(), re.M):
+        for source in line.split()[:-1]:
+            assert any(source == k or source.startswith(k + "/") for k in kept), f"{source} is not in the context"
+            assert (ROOT / source).exists(), source
+
+
+def test_the_compose_gateway_spreads_over_every_triton_replica():
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    replicas = [name for name, s in services.items() if s["command"][:2] == ["pergola", "serve"]]
+    gateway = services["gateway"]
+    targets = gateway["command"][gateway["command"].index("--triton") + 1].split(",")
+    assert len(replicas) >= 2 and sorted(targets) == sorted(f"{name}:8001" for name in replicas)
+    for name in replicas:
+        command = services[name]["command"]
+        assert command[command.index("--gateway-port") + 1] == "0" and "0.0.0.0" in command  # Triton only
+        assert "ports" not in services[name] and services[name]["shm_size"]
+    assert {s["image"] for s in services.values()} == {"${PERGOLA_IMAGE:-pergola}"}
+    assert gateway["ports"] == ["${PERGOLA_PUBLISH:-8080}:8080"]
+
+
 def test_torch_comes_from_the_wheel_index_of_the_base_images_cuda():
     text = DOCKERFILE.read_text()
-    release = re.search(r"^FROM nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3$", text, re.M)[1]
+    release = re.search(r"^ARG BASE=nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3$", text, re.M)[1]
     cuda = NGC_CUDA[release].replace(".", "")
     assert re.search(rf"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu{cuda}$", text, re.M)
     assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, re.M)
@@ -261,8 +307,8 @@ def test_torch_comes_from_the_wheel_index_of_the_base_images_cuda():
 
 
 def test_the_image_installs_pyprojects_dependencies():
-    """The Dockerfile's list = pyproject's dependencies less nvidia-pytriton (the image has Triton)
-    and torch (pinned to the image's CUDA)."""
+    """The GPU stage's list = pyproject's dependencies less nvidia-pytriton (the image has Triton)
+    and torch (pinned to the image's CUDA). (The CPU stage reads pyproject.toml itself.)"""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     def name(requirement: str) -> str:
@@ -271,8 +317,8 @@ def test_the_image_installs_pyprojects_dependencies():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     wanted = {name(d): d.split(";")[0].replace(" ", "") for d in deps}
     wanted.pop("nvidia-pytriton"), wanted.pop("torch")
-    run = next(block for block in re.split(r"\n(?=[A-Z]+ )", DOCKERFILE.read_text()) if "tokenizers" in block)
-    second = run.split("&&")[1]  # pip install --no-cache-dir "numpy..." ...
+    run = next(block for block in re.split(r"\n(?=[A-Z]+ )", stages()["gpu"]) if '"tokenizers' in block)
+    second = next(part for part in run.split("&&") if '"tokenizers' in part)  # pip install --no-cache-dir "numpy..."
     listed = [t.strip('"\\ \n') for t in re.findall(r'"[^"]+"|[\w.\[\],-]+', second.split("--no-cache-dir", 1)[1])]
     listed = {name(t): t for t in listed if t}
     assert listed == wanted
