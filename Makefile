@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-container test-gpu build-repo bundle clean
+.PHONY: setup serve test test-container test-gpu build-repo bundle docs clean
 
 setup: $(VENV)/.pergola-installed
 
@@ -37,8 +37,12 @@ test-container: setup
 	PYTHON=$(BIN)/python bash scripts/build_image.sh --cpu --base $(CONTAINER_BASE)
 	PERGOLA_CONTAINER_REQUIRED=1 $(BIN)/python -m pytest -q -ra tests/test_container.py $(PYTEST_ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor is an error.
+docs: setup
+	$(BIN)/mkdocs build --strict
+
 bundle: setup
 	$(BIN)/python scripts/gpu_bundle.py $(ARGS)
 
 clean:
-	rm -rf model_repository .pytest_cache
+	rm -rf model_repository .pytest_cache site

@@ -1,6 +1,6 @@
 """One `pergola serve --model mini=ORG/NAME --otlp-endpoint URL` from an offline Hugging Face cache
-(HF_HUB_OFFLINE=1): it answers, /info names the Hub id and commit, the documented metrics (README:
-Metrics) appear on Triton's port and the gateway's /metrics and move by what the requests did,
+(HF_HUB_OFFLINE=1): it answers, /info names the Hub id and commit, the documented metrics (docs/
+operations.md: Metrics) appear on Triton's port and the gateway's /metrics and move by what the requests did,
 and a caller's trace runs through the gateway's spans into Triton's at the OTLP collector."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Each option declared once: flags, environment variables, config.pbtxt parameters and the
-README's table all come from the dataclass fields (pergola.options)."""
+table of docs/options.md all come from the dataclass fields (pergola.options)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pergola.gateway.options import GatewayOptions
 from pergola.options import declared, env_name, flag_name, value_type
 from pergola.server import ServerOptions
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 CLASSES = [BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions]
 ALL = [(cls, f) for cls in CLASSES for f in declared(cls)]
 
@@ -62,12 +62,12 @@ def other_value(f) -> tuple[str, object]:
     return "elsewhere", "elsewhere"
 
 
-def test_readme_holds_the_generated_options_table():
-    text = README.read_text()
+def test_the_options_page_holds_the_generated_table():
+    text = OPTIONS_PAGE.read_text()
     start, end = "<!-- options:start -->\n", "\n<!-- options:end -->"
-    assert start in text and end in text, "README.md needs the options markers"
+    assert start in text and end in text, "docs/options.md needs the options markers"
     assert text[text.index(start) + len(start):text.index(end)] == options_markdown(), \
-        "README options table is stale: paste `pergola options --markdown` between the markers"
+        "docs/options.md's table is stale: paste `pergola options --markdown` between the markers"
 
 
 def test_every_option_has_a_flag_and_a_row(capsys):
@@ -75,7 +75,7 @@ def test_every_option_has_a_flag_and_a_row(capsys):
     table = options_markdown()
     for cls, f in ALL:
         assert flag_name(f) in flags, f"{cls.__name__}.{f.name} has no flag"
-        assert f"`{env_name(f)}`" in table, f"{cls.__name__}.{f.name} has no README row"
+        assert f"`{env_name(f)}`" in table, f"{cls.__name__}.{f.name} has no row in the options table"
         assert f.metadata["help"], f"{cls.__name__}.{f.name} has no help"
 
 

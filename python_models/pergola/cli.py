@@ -62,7 +62,7 @@ MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` 
 
 
 def options_markdown() -> str:
-    """The README's options table, generated from the declarations."""
+    """The options table of docs/options.md, generated from the declarations."""
     table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions])
     header, rule, *rows = table.splitlines()
     return "\n".join([header, rule, MODEL_ROW, *rows])
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=gateway)
 
     p = sub.add_parser("options", help="print the serving options (flag, environment variable, default)")
-    p.add_argument("--markdown", action="store_true", help="as the README's table")
+    p.add_argument("--markdown", action="store_true", help="as the table of docs/options.md")
     p.set_defaults(func=lambda args: print(options_markdown()))
 
     args = parser.parse_args(argv)

@@ -83,7 +83,7 @@ class EngineConfig:
     truncate: bool = option(True, "default for requests that do not say: cut texts over the model's limit "
                                   "(--no-truncate: refuse them)")
     attention_backend: str = option("auto", "ragged attention kernel; auto: the start-up probe times the "
-                                            "available ones on this GPU and picks (README: Attention kernel choice)",
+                                            "available ones on this GPU and picks (docs/gpu.md: Attention kernel choice)",
                                     choices=ATTENTION_BACKENDS)
     eager_attention_backend: str = option("auto", "kernel for steps above the CUDA-graph crossover; auto: the "
                                                   "probe's pick for 16k-token steps", choices=ATTENTION_BACKENDS)
@@ -98,7 +98,7 @@ class EngineConfig:
     quantization: str = option("none", "fp8: the transformer layers' projections in FP8 (e4m3 weights with a "
                                        "scale per output channel, activations with a scale per token; GPUs of "
                                        "compute capability 8.9+, dtype bfloat16); norms, attention, pooling, "
-                                       "embeddings and heads stay in BF16 (README: FP8)",
+                                       "embeddings and heads stay in BF16 (docs/gpu.md: FP8)",
                                 choices=QUANTIZATIONS)
     fp8_bf16_layers: int = option(1, "with --quantization fp8: the first and the last N transformer layers keep "
                                      "BF16 weights (lowest per-text cosine to BF16, FP8 emulated on the CPU: "

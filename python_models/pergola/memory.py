@@ -1,7 +1,7 @@
 """Giving freed heap memory back to the system (glibc's malloc_trim).
 
 Why: glibc keeps memory that large requests freed. Measured on the CPU (perf/soak.py,
-README "Memory"): the encoder's RSS grew from 909 to 1,279 MB over 500 requests of varying
+docs/operations.md "Memory"): the encoder's RSS grew from 909 to 1,279 MB over 500 requests of varying
 shapes (freed tensor buffers left fragmented in the heap; oneDNN's per-shape caches add to it)
 and stayed there; a tokenizer stub held 200 MB after three requests at the size limit, 81 MB
 once trimmed. A trim every few seconds of work keeps both flat. The alternatives cost speed:

@@ -6,7 +6,7 @@
     pergola_steps_total{model,mode}          forward steps by mode: eager, warmup, capture, replay
     pergola_attention_backend{model,backend,use}  1 for the kernel in use (use: graph or eager)
 
-    pergola_info{model,hub_id,revision,dtype,attention}  1: what the encoder serves (README: Metrics)
+    pergola_info{model,hub_id,revision,dtype,attention}  1: what the encoder serves (docs/operations.md: Metrics)
 
 Histograms, as Prometheus histograms (NAME_bucket{le}, NAME_sum, NAME_count):
 

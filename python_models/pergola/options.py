@@ -2,8 +2,8 @@
 
 From that one declaration come the command-line flag (`--max-batch-tokens`), the environment
 variable (`PERGOLA_MAX_BATCH_TOKENS`, which sets the flag's default, as TEI does), the type
-conversion of config.pbtxt parameters and of environment values, and the README's options
-table (`pergola options --markdown`; tests/test_options.py checks that the README holds it).
+conversion of config.pbtxt parameters and of environment values, and the options table of
+docs/options.md (`pergola options --markdown`; tests/test_options.py checks that the page holds it).
 Booleans accept true/false, 1/0, yes/no, on/off wherever they are read; a field that may be
 unset is `X | None` and None means "not set".
 """
@@ -128,7 +128,7 @@ def default_text(f: Field) -> str:
 
 
 def markdown_table(classes: Iterable[type]) -> str:
-    """The README's options table: flag, environment variable, default, meaning."""
+    """The options table of docs/options.md: flag, environment variable, default, meaning."""
     rows = ["| option | environment | default | |", "| --- | --- | --- | --- |"]
     for cls in classes:
         for f in declared(cls):
