@@ -1,4 +1,5 @@
-"""The examples of README.md and docs/*.md, found and run as they are written (tests/test_docs.py).
+"""The examples of README.md and docs/*.md (as the site shows them), found and run as they are
+written (tests/test_docs.py).
 
 A page's fenced blocks in python, bash, sh or console are its examples. The python blocks run in
 one namespace per page, in order (a block may use what an earlier one made); the shell blocks run
@@ -21,7 +22,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+SITE_SOURCE = re.compile(r"\A<!-- site: (\S+) -->\n")  # the site shows that file instead (scripts/mkdocs_hooks.py)
+
+
+def shown(page: Path) -> Path:
+    """The file whose Markdown the site shows for `page`: itself, or the one its marker names."""
+    marker = SITE_SOURCE.match(page.read_text())
+    return (page.parent / marker[1]).resolve() if marker else page
+
+
+# The README and every docs page as the site shows them (docs/index.md is the README, docs/benchmarks.md perf/README.md).
+PAGES = list(dict.fromkeys([ROOT / "README.md", *(shown(page) for page in sorted(DOCS.glob("*.md")))]))
 RUN = ("python", "bash", "sh", "console")  # the languages run; others are shown only
 FENCE = re.compile(r"^(?:<!-- not-run:(?P<reason>[^\n]*?)-->\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<code>.*?)^```$",
                    re.M | re.S)

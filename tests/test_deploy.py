@@ -224,13 +224,14 @@ def test_the_kserve_example_runs_pergola_with_a_gpu_and_shm():
 
 def test_the_grafana_dashboard_queries_documented_metrics():
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "pergola.json").read_text())
-    readme = (ROOT / "docs" / "operations.md").read_text()  # its Metrics section
+    documented = (ROOT / "docs" / "operations.md").read_text()  # its Metrics section
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     names = {n for e in exprs for n in re.findall(r"\b(pergola_\w+|nv_\w+)", e)}
     assert {"pergola_queue_wait_seconds_bucket", "pergola_gateway_request_duration_seconds_bucket"} <= names
     for name in names:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
-        assert name.startswith("nv_inference_") or f"`{base}`" in readme, f"{name} is not in docs/operations.md's Metrics"
+        assert name.startswith("nv_inference_") or f"`{base}`" in documented, \
+            f"{name} is not in docs/operations.md's Metrics"
 
 
 # --- the container ----------------------------------------------------------------------------

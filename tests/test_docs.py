@@ -73,7 +73,7 @@ CHECKS: dict[str, Callable[[dict, list[str], Path], None]] = {"batch.md": check_
 RUNNABLE = [page for page in PAGES if any(e.runs for e in examples(page))]
 
 
-@pytest.mark.parametrize("page", RUNNABLE, ids=[p.name for p in RUNNABLE])
+@pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(ROOT)) for p in RUNNABLE])
 def test_the_examples_of_each_page_run(page: Path, served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     process, ports = served
     (tmp_path / "model_repository").symlink_to(process.repo)  # the admin token's place, as under `make serve`
@@ -123,10 +123,30 @@ def test_the_models_the_pages_serve_have_stand_ins():
     assert not missing, f"pages serve {sorted(missing)}: add a stand-in to STAND_INS (and the server)"
 
 
+def mkdocs_build(project: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=project,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))  # (material's notice about mkdocs 2)
+
+
 def test_the_site_builds_strictly(tmp_path: Path):
     """mkdocs.yml with --strict: a broken link or anchor, in a page or into the repository, fails."""
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))  # (material's notice about mkdocs 2)
+    done = mkdocs_build(ROOT, tmp_path / "site")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_a_link_to_a_missing_repository_file_fails_the_build(tmp_path: Path):
+    """The hook checks links that leave docs/ (GitHub follows them, mkdocs cannot): a file that is
+    there is carried into the site, one that is not fails --strict."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "present.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "index.md").write_text("# t\n\n[there](../present.py), [gone](../missing.py)\n")
+    (tmp_path / "mkdocs.yml").write_text(f"site_name: t\nhooks:\n  - {ROOT / 'scripts' / 'mkdocs_hooks.py'}\n")
+    done = mkdocs_build(tmp_path, tmp_path / "site")
+    assert done.returncode != 0 and "'../missing.py'" in done.stderr, done.stderr
+    assert "present.py'" not in done.stderr
+    (tmp_path / "docs" / "index.md").write_text("# t\n\n[there](../present.py)\n")
+    done = mkdocs_build(tmp_path, tmp_path / "site")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "site" / "_repository" / "present.py").read_text() == "x = 1\n"
