@@ -31,7 +31,7 @@ def shown(page: Path) -> Path:
     return (page.parent / marker[1]).resolve() if marker else page
 
 
-# The README and every docs page as the site shows them (docs/index.md is the README, docs/benchmarks.md perf/README.md).
+# README.md and every docs page as the site shows them (docs/index.md: the README; benchmarks.md: perf/README.md).
 PAGES = list(dict.fromkeys([ROOT / "README.md", *(shown(page) for page in sorted(DOCS.glob("*.md")))]))
 RUN = ("python", "bash", "sh", "console")  # the languages run; others are shown only
 FENCE = re.compile(r"^(?:<!-- not-run:(?P<reason>[^\n]*?)-->\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<code>.*?)^```$",

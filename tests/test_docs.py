@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-
 from doc_examples import NOT_RUN, PAGES, ROOT, RUN, Ports, examples, run_examples
 
 # A Hub id that a page's `make serve` line serves -> the test server's model that stands in for it:
