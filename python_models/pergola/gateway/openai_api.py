@@ -88,6 +88,7 @@ def embeddings_answer(name: str, values: np.ndarray, as_base64: bool, tokens: in
 async def embeddings(gw: Gateway, request: Request) -> Response:
     body = await gw.body(request, ids_field="input")
     model = await gw.model(body.get("model", str), "embed")
+    pooling = Pooling.of(body, model)  # vLLM's fields (vllm_api.py)
     raw = body.get("input", (str, list, TokenIds), required=True)
     embedding_type = body.get("embedding_type", str, "float")
     if embedding_type not in EMBEDDING_TYPES:
@@ -98,7 +99,6 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
         raise GatewayError(422, f"`encoding_format` must be float or base64, got {quote(encoding_format)}",
                            "encoding_format")
     opts = embed_options(body, embedding_type)
-    pooling = Pooling.of(body, model, embedding_type)  # vLLM's fields (vllm_api.py)
     opts = pooling.options(opts, model, token_ids=isinstance(raw, TokenIds))
     if isinstance(raw, TokenIds):  # (gw.body reads token ids so: checked, flat)
         raw = pooling.cut(raw)

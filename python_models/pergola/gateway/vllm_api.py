@@ -119,7 +119,7 @@ class Pooling:
     byteorder: str = "="  # endianness
 
     @classmethod
-    def of(cls, body: Body, model: ServedModel, embedding_type: str) -> "Pooling":
+    def of(cls, body: Body, model: ServedModel) -> "Pooling":
         refuse_unsupported(body)
         keep = prompt_tokens(body, model)
         side = "START" if choice(body, "truncation_side", ("right", "left"), "right") == "left" else "END"
@@ -128,7 +128,7 @@ class Pooling:
                 if body.data.get(other) is not None:
                     raise bad_request(f"send `truncate_prompt_tokens` or `{other}`, not both", "truncate_prompt_tokens")
         dtype = choice(body, "embed_dtype", EMBED_DTYPES, "float32")
-        if dtype != "float32" and embedding_type != "float":
+        if dtype != "float32" and body.data.get("embedding_type", "float") != "float":
             raise bad_request("send `embed_dtype` or `embedding_type`, not both", "embed_dtype")
         return cls(keep, side, use_activation(body, "normalize"), dtype,
                    ENDIANNESS[choice(body, "endianness", ENDIANNESS, "native")])
