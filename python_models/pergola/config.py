@@ -69,8 +69,8 @@ class EngineConfig:
                                        "but a query waits for the larger step (p50 7.2 ms instead of 3.9; "
                                        "perf/RESULTS.md, mixed traffic); 0: queries' steps hold queries only")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
-    max_texts: int = option(1024, "most texts in one embedding request")
-    max_documents: int = option(1024, "most documents in one rerank request")
+    max_texts: int = option(2048, "most texts in one embedding request (OpenAI's own maximum)")
+    max_documents: int = option(2048, "most documents in one rerank request")
     max_text_chars: int = option(1_000_000, "most characters in one text or document; longer ones are refused "
                                             "before any tokenization (INVALID_ARG)")
     max_request_chars: int = option(8_000_000, "most characters in one request, all its texts (or the query "
