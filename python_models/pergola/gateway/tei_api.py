@@ -47,7 +47,7 @@ from pergola.gateway import connections, rerank_api, tokenizers, vllm_api
 from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, bad_request
-from pergola.gateway.http import Body, Handler, JSONResponse, Keys, answer, error_response
+from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
 from pergola.gateway.offload import as_is
 from pergola.gateway.state import Gateway
 from pergola.hf_folder import ModelFolderError
