@@ -5,7 +5,8 @@ go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `e
 float|base64, `user` ignored), pergola takes `prompt_name` or `input_type` (query, passage or
 document; Cohere's search_query / search_document too), `truncate` (NONE, START or END as NIM and
 Cohere send it, or true = END / false = NONE), `max_tokens` (Cohere's: a limit below the model's),
-`normalize` (TEI's; default the model's), and `embedding_type` with
+`normalize` (TEI's; default the model's), `chunking` (long texts in windows: gateway/chunking.py),
+and `embedding_type` with
 Cohere's meanings: float, float16, int8 (round(127 x) of the unit vector), uint8 (int8 + 128),
 ubinary (sign bits, 8 dimensions a byte, first in the high bit) and binary (ubinary - 128, as
 int8). base64 carries the little-endian bytes of each row in that type.
@@ -22,6 +23,7 @@ from starlette.responses import Response
 
 from pergola.errors import RequestError, quote, read_strings
 from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
+from pergola.gateway.chunking import chunking_option, openai_chunked
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
@@ -95,6 +97,10 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
         raise GatewayError(422, f"`encoding_format` must be float or base64, got {quote(encoding_format)}",
                            "encoding_format")
     opts = embed_options(body, embedding_type)
+    chunking = chunking_option(body)
+    if chunking is not None:  # long texts in windows (gateway/chunking.py)
+        return await openai_chunked(gw, model, raw, opts, chunking, EMBEDDING_TYPES[embedding_type][1],
+                                    encoding_format == "base64")
     if isinstance(raw, TokenIds):  # (gw.body reads token ids so: checked, flat)
         if opts.prompt_name is not None or opts.truncate is not None or opts.max_tokens is not None:
             raise GatewayError(422, "token-id input is sent as it is: no prompt_name, input_type, truncate or "
