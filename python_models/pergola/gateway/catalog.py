@@ -18,6 +18,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from pergola.admin import GRPC_ADMIN_HEADER
+from pergola.chunking import ChunkLimits
 from pergola.config import EngineConfig
 from pergola.errors import StringLimits
 from pergola.gateway.replicas import CONTROL_TIMEOUT_S
@@ -88,6 +89,10 @@ class ServedModel:
     def text_limits(self, count_option: str = "max_texts") -> StringLimits:
         return StringLimits(self.limit(count_option), self.limit("max_text_chars"),
                             self.limit("max_request_chars"), count_option)
+
+    def chunk_limits(self) -> ChunkLimits:
+        """How many windows `chunking` may cut one text, and one request's texts, into."""
+        return ChunkLimits(self.limit("max_text_chunks"), self.limit("max_request_chunks"))
 
 
 def _settings(parameters: dict[str, Any]) -> dict[str, Any]:

@@ -5,9 +5,9 @@ go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `e
 float|base64, `user` ignored), pergola takes `prompt_name` or `input_type` (query, passage or
 document; Cohere's search_query / search_document too), `truncate` (NONE, START or END as NIM and
 Cohere send it, or true = END / false = NONE), `max_tokens` (Cohere's: a limit below the model's),
-`normalize` (TEI's; default the model's), vLLM's pooling fields (vllm_api.py:
-`truncate_prompt_tokens`, `truncation_side`, `use_activation`, `embed_dtype`, `endianness`), and
-`embedding_type` with
+`normalize` (TEI's; default the model's), `chunking` (long texts in windows: gateway/chunking.py),
+vLLM's pooling fields (vllm_api.py: `truncate_prompt_tokens`, `truncation_side`, `use_activation`,
+`embed_dtype`, `endianness`), and `embedding_type` with
 Cohere's meanings: float, float16, int8 (round(127 x) of the unit vector), uint8 (int8 + 128),
 ubinary (sign bits, 8 dimensions a byte, first in the high bit) and binary (ubinary - 128, as
 int8). base64 carries the little-endian bytes of each row in that type.
@@ -24,11 +24,12 @@ from starlette.responses import Response
 
 from pergola.errors import RequestError, quote, read_strings
 from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
-from pergola.gateway.errors import GatewayError
+from pergola.gateway.chunking import chunking_option, openai_chunked
+from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
-from pergola.gateway.vllm_api import Pooling
+from pergola.gateway.vllm_api import Pooling, sys_order
 from pergola.tokenization import truncate_mode
 
 _SAME = lambda codes: codes  # noqa: E731
@@ -100,6 +101,13 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
                            "encoding_format")
     opts = embed_options(body, embedding_type)
     opts = pooling.options(opts, model, token_ids=isinstance(raw, TokenIds))
+    chunking = chunking_option(body)
+    if chunking is not None:  # long texts in windows (gateway/chunking.py)
+        if pooling.keep is not None or pooling.dtype != "float32" or pooling.byteorder not in ("=", sys_order()):
+            raise bad_request("`chunking` answers float32 windows of whole texts: send it without "
+                              "`truncate_prompt_tokens`, `embed_dtype` and `endianness`", "chunking")
+        return await openai_chunked(gw, model, raw, opts, chunking, EMBEDDING_TYPES[embedding_type][1],
+                                    encoding_format == "base64")
     if isinstance(raw, TokenIds):  # (gw.body reads token ids so: checked, flat)
         raw = pooling.cut(raw)
         if opts.prompt_name is not None or opts.truncate is not None or opts.max_tokens is not None:

@@ -27,6 +27,8 @@ errors as {"error", "error_type"}.
 `raw_scores: true` answers the logit (a cross-encoder's before its sigmoid, a Qwen3-Reranker's
 logit(yes) - logit(no)) instead of sigmoid(logit).
 
+`chunking` on /embed cuts long texts into windows (gateway/chunking.py).
+
 `truncate: true` cuts a text over the limit at its end (`truncation_direction: Right`) or its
 start (`Left`); `false` refuses it with TEI's 413; left out, the model's default (`--truncate`)
 holds. Token counts come back in the `x-total-tokens` header.
@@ -46,6 +48,7 @@ from pergola.errors import RequestError, quote, read_strings
 from pergola.gateway import connections, rerank_api, tokenizers, vllm_api
 from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
+from pergola.gateway.chunking import chunking_option, tei_chunked
 from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
 from pergola.gateway.offload import as_is
@@ -95,6 +98,9 @@ async def embed(gw: Gateway, request: Request) -> Response:
     body, model, texts = await text_inputs(gw, request)
     opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.count("dimensions"),
                         normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
+    chunking = chunking_option(body)
+    if chunking is not None:  # long texts in windows (gateway/chunking.py)
+        return await tei_chunked(gw, body, model, texts, opts, chunking)
     try:
         out = await gw.backend.embed(model, texts, opts)
     except TooLong as e:
