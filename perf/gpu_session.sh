@@ -89,6 +89,19 @@ for step in "$@"; do
       # (float answers), Qwen3-0.6B shape, ~4 min; goal: the text query's loaded p99 <= 3x its idle p99
       run mixed_gateway python3 perf/bench_mixed.py --bulk-door gateway --loads ids_100x512 ids_25x4096 \
         --queries gateway_text grpc_ids_128 -n 150 --out "$OUT/mixed_gateway.json" ;;
+    chunking_tests)  # long documents (issue 42): tests/test_chunking.py with the test server's encoders on the
+      # GPU, late chunking in BF16 through the GPU lanes among them (cosine >= 0.999 against transformers in FP32)
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_chunking python3 -m pytest -q -ra tests/test_chunking.py ;;
+    chunking)  # long documents (issue 42): documents of 3,000 words embedded with `chunking` (each, mean, late)
+      # against the same windows sent as plain inputs, chunks/s through the gateway, 4 clients of 4 documents
+      # a request: 200 in the gte-modernbert shape (8,192 tokens, BF16, 256-token windows sharing 32; its
+      # seeded folder's small BPE vocabulary makes ~18k tokens a document), then 500 with MiniLM (real
+      # weights, 128-token windows sharing 16); ~8 minutes
+      run chunking_modernbert python3 perf/bench_chunking.py --model gte-modernbert --docs 200 --words 3000 \
+        --tokens 256 --overlap 32 --clients 4 --docs-per-request 4 --workdir /tmp/pergola-archs \
+        --out "$OUT/chunking_modernbert.json"
+      run chunking_minilm python3 perf/bench_chunking.py --model minilm --docs 500 --words 3000 --tokens 128 \
+        --overlap 16 --clients 4 --docs-per-request 4 --out "$OUT/chunking_minilm.json" ;;
     mixed_rate)  # bulk kept against the query rate: the query client's pause swept, 100 x 512, ~1 min each
       for gap in 2 10 30; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \

@@ -279,3 +279,29 @@ def qwen3_folders_or_skip(root: Path, shape: str, dtype: str) -> dict[str, Path]
         return {v: make_qwen3_folder(root / v, shape, v, seed=0, dtype=dtype) for v in VARIANTS}
     except TokenizerUnavailable as e:
         pytest.skip(f"the real Qwen3 tokenizer is not available: {e}")
+
+
+SERVE_KEY = "clients-test-key-0123456789"
+
+
+@dataclass
+class ServedGateway:
+    """`pergola serve` as `make serve` runs it: default limits, the gateway in front, a key."""
+
+    served: ServeProcess
+    url: str  # the gateway's base URL
+    key: str = SERVE_KEY
+
+
+@pytest.fixture(scope="session")
+def served_gateway(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path,
+                   rerank_folders: dict[str, Path]):
+    """MiniLM (`mini`, also `embed`) and the seeded cross-encoder (`ce`, also `rerank`) behind
+    `pergola serve --api-key` with its default limits (2,048 inputs a request): what users' clients
+    meet (tests/test_clients.py, tests/test_peer_cases.py)."""
+    served = start_serve(tmp_path_factory.mktemp("served"), f"mini={minilm_folder}", "--model",
+                         f"ce={rerank_folders['cross-encoder']}", "--api-key", SERVE_KEY)
+    try:
+        yield ServedGateway(served, served.wait_gateway(120))
+    finally:
+        served.stop()

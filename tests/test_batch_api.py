@@ -13,6 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pergola.gateway import state
+from pergola.gateway.offload import Offload
+from pergola.gateway.options import GatewayOptions
+
 from conftest import MIN_COSINE, TEXTS, RunningServer, cosine_rows
 from test_gateway import KEY, Gateway, call, port_of, start_gateway
 from test_rerank import DOCS, QUERY, cross_encoder_reference
@@ -254,13 +258,24 @@ def test_a_record_cut_short_by_a_crash_is_run_again(tmp_path):
 # --- how a wave of lines reaches the backend (no server: a stand-in backend) ---------------------
 
 class StandInBackend:
-    """Backend.embed's stand-in: each text's vector is [its length]; a text holding "bad" is over
-    the token limit (TooLong naming its index in the call); the first `busy` calls are 429."""
+    """Backend.embed's and embed_tokens' stand-in: each text's vector is [its length] (token ids':
+    [their sum]); a text holding "bad" is over the token limit (TooLong naming its index in the
+    call); the first `busy` calls are 429."""
 
     def __init__(self, busy: int = 0) -> None:
+        from pergola.gateway.admission import Admission
+
         self.calls: list[int] = []
         self.busy = busy
         self.chunk_texts = self.chunk_chars = self.timeout_s = 0
+        self.admission = Admission(1.0)
+
+    async def embed_tokens(self, model, ids, opts):
+        from pergola.gateway.backend import Embedded
+
+        self.calls.append(len(ids.lengths))
+        sums = np.add.reduceat(ids.flat, ids.offsets()[:-1])
+        return Embedded(sums.astype(np.float32)[:, None], ids.lengths.astype(np.int64))
 
     async def embed(self, model, texts, opts):
         from pergola.gateway.backend import Embedded, TooLong
@@ -276,35 +291,48 @@ class StandInBackend:
         return Embedded(np.array([[len(t)] for t in texts], dtype=np.float32), np.ones(len(texts), dtype=np.int64))
 
 
-def answer_lines(tmp_path: Path, texts: list[str], backend: StandInBackend) -> list[tuple[int, dict]]:
-    """One wave of one-text lines through the /v1/embeddings handler -> (status, body) per line."""
+class StandInGateway:
+    """The Gateway as a batch job sees it: its options, body reading (Gateway.body itself, CPU work on
+    the loop), a served model of at most 64 texts a call, and `backend`."""
+
+    body = state.Gateway.body
+
+    def __init__(self, backend, opts: GatewayOptions | None = None) -> None:
+        self.backend, self.opts = backend, opts or GatewayOptions()
+        self.offload = Offload(0, 0)
+
+    async def model(self, name, task):
+        from pergola.gateway.catalog import ServedModel
+
+        return ServedModel("embed", "embed", "embed", settings={"max_texts": 64})
+
+
+def answer_bodies(tmp_path: Path, bodies: list[dict], backend: StandInBackend) -> list[tuple[int, dict, int]]:
+    """One wave of /v1/embeddings lines of these bodies through the route's handler -> (status,
+    body, tokens) per line."""
     import asyncio
 
     from pergola.gateway.batch import lines
     from pergola.gateway.batch.coalesce import Wave
     from pergola.gateway.batch.runner import Job, Runner
     from pergola.gateway.batch.store import Store
-    from pergola.gateway.catalog import ServedModel
-    from pergola.gateway.options import GatewayOptions
-
-    class StandInGateway:
-        opts = GatewayOptions()
-
-        def __init__(self) -> None:
-            self.backend = backend
-
-        async def model(self, name, task):
-            return ServedModel("embed", "embed", "embed", settings={"max_texts": 64})
 
     async def run() -> list:
-        runner = Runner(Store(tmp_path, tmp_path / "db.sqlite3"), StandInGateway(), GatewayOptions())
+        runner = Runner(Store(tmp_path, tmp_path / "db.sqlite3"), StandInGateway(backend), GatewayOptions())
         runner.backend = backend  # (the runner's copy would be a copy of the stand-in; keep its record)
         job = Job(runner, "batch_test")
-        batch = [lines.parse(i + 1, json.dumps(embed_line(i, [t])).encode()) for i, t in enumerate(texts)]
+        batch = [lines.parse(i + 1, json.dumps({**embed_line(i, ["-"]), "body": b}).encode())
+                 for i, b in enumerate(bodies)]
         wave = Wave(backend, len(batch), 1 << 20)
         return await asyncio.gather(*(job._line(wave, line) for line in batch))
 
-    return [(status, json.loads(body)) for _, status, body, _ in asyncio.run(run())]
+    return [(status, json.loads(body), tokens) for _, status, body, tokens in asyncio.run(run())]
+
+
+def answer_lines(tmp_path: Path, texts: list[str], backend: StandInBackend) -> list[tuple[int, dict]]:
+    """One wave of one-text lines through the /v1/embeddings handler -> (status, body) per line."""
+    bodies = [{"model": "minilm", "input": t} for t in texts]
+    return [(status, body) for status, body, _ in answer_bodies(tmp_path, bodies, backend)]
 
 
 def test_a_waves_lines_share_calls_of_up_to_max_texts_and_wait_out_refusals(tmp_path, monkeypatch):
@@ -329,3 +357,55 @@ def test_a_line_refused_in_a_shared_call_gets_its_own_error(tmp_path):
     assert [status for status, _ in answers] == [200] * 6 + [400] + [200] * 3
     error = answers[6][1]["error"]
     assert error["param"] == "input" and error["message"].startswith("input[0] has more than 5 tokens")
+
+
+def test_token_id_lines_share_a_call_and_numbers_are_checked_as_the_route_checks_them(tmp_path):
+    backend = StandInBackend()
+    ids = [[[1, 2, 3]], [[10], [20, 30]], [7, 8]]  # a list, two lists, one flat list
+    refused = [{"input": "x", "dimensions": 2**33}, {"input": "x", "dimensions": True},
+               {"input": "x", "max_tokens": 1.5}, {"input": [[1, 2**31]]}]
+    answers = answer_bodies(tmp_path, [{"model": "minilm", "input": i} for i in ids] + refused, backend)
+    assert backend.calls == [4]  # the three lines' four inputs in one call
+    got = [[d["embedding"] for d in body["data"]] for _, body, _ in answers[:3]]
+    assert got == [[[6.0]], [[10.0], [50.0]], [[15.0]]]
+    assert [tokens for *_, tokens in answers] == [3, 3, 2, 0, 0, 0, 0]
+    assert [body["usage"]["total_tokens"] for _, body, _ in answers[:3]] == [3, 3, 2]
+    for (status, body, _), param in zip(answers[3:], ["dimensions", "dimensions", "max_tokens", "input"]):
+        assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_a_jobs_calls_pass_the_gateways_admission_with_a_jobs_deadline(tmp_path):
+    """A job's calls count as work in flight for online requests (and theirs for the job's), and
+    are judged against a job call's deadline (JOB_TIMEOUTS x --request-timeout-s)."""
+    from pergola.gateway.admission import MIN_TOKENS, Admission
+    from pergola.gateway.batch.runner import JOB_TIMEOUTS, Runner
+    from pergola.gateway.batch.store import Store
+    from pergola.gateway.catalog import ServedModel
+    from pergola.gateway.errors import GatewayError
+
+    opts = GatewayOptions(request_timeout_s=1.0, queue_bound_s=1.0)
+    backend = StandInBackend()
+    backend.admission = Admission(opts.request_timeout_s, opts.queue_bound_s)
+    runner = Runner(Store(tmp_path, tmp_path / "db.sqlite3"), StandInGateway(backend, opts), opts)
+    online, job = backend.admission, runner.backend.admission
+    served = ServedModel("embed", "embed", "embed", settings={"query_tokens": 64})
+    rate = online.load(served).rate  # measured: one bulk request answered at 1,000 tokens/s
+    now = 0.0
+    rate.clock = lambda: now
+    rate.begin()
+    now = 2 * MIN_TOKENS / 1000
+    rate.add(2 * MIN_TOKENS)
+    rate.end()
+
+    big = [4 * 2_000]  # ~2,000 tokens: 2 s at the measured rate, over 0.8 x the request timeout
+    with pytest.raises(GatewayError) as refused:
+        online.admit(served, big)
+    assert refused.value.status == 413
+    ticket = job.admit(served, big)  # within 0.8 x the job's deadline
+    assert 1.0 < ticket.left_s() <= JOB_TIMEOUTS * opts.request_timeout_s
+    assert online.load(served).lanes[1] == ticket.left > 0  # online requests see it ahead of them
+    with pytest.raises(GatewayError) as busy:
+        online.admit(served, [4 * 100])
+    assert busy.value.status == 429
+    ticket.close()
+    online.admit(served, [4 * 100]).close()

@@ -283,8 +283,18 @@ def test_everything_the_dockerfile_copies_is_in_the_build_context():
             assert (ROOT / source).exists(), source
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML keeps the last of two equal keys without a word; compose files must not have any."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        keys = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
+        repeated = {k for k in keys if keys.count(k) > 1}
+        assert not repeated, f"line {node.start_mark.line + 1}: {sorted(repeated)} given twice"
+        return super().construct_mapping(node, deep=deep)
+
+
 def test_the_compose_gateway_spreads_over_every_triton_replica():
-    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    compose = yaml.load((ROOT / "deploy" / "docker-compose.yml").read_text(), Loader=_UniqueKeys)
     services = compose["services"]
     replicas = [name for name, s in services.items() if s["command"][:2] == ["pergola", "serve"]]
     gateway = services["gateway"]
@@ -294,6 +304,8 @@ def test_the_compose_gateway_spreads_over_every_triton_replica():
         command = services[name]["command"]
         assert command[command.index("--gateway-port") + 1] == "0" and "0.0.0.0" in command  # Triton only
         assert "ports" not in services[name] and services[name]["shm_size"]
+        served = dict(e.split("=", 1) for e in services[name]["environment"]["PERGOLA_MODEL"].split(","))
+        assert set(gateway["command"][gateway["command"].index("--models") + 1].split(",")) <= set(served)
     assert {s["image"] for s in services.values()} == {"${PERGOLA_IMAGE:-pergola}"}
     assert gateway["ports"] == ["${PERGOLA_PUBLISH:-8080}:8080"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from doc_examples import NOT_RUN, PAGES, ROOT, RUN, Ports, examples, run_examples
+from doc_examples import NOT_RUN, PAGES, ROOT, RUN, Ports, Ran, examples, run_examples
 
 # A Hub id that a page's `make serve` line serves -> the test server's model that stands in for it:
 # the same architecture and task, so each example gets the answer's shape it would get there.
@@ -56,19 +56,47 @@ def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank
         process.stop()
 
 
-def check_batch_page(namespace: dict, logs: list[str], folder: Path) -> None:
+def check_batch_page(page: Path, ran: Ran, folder: Path) -> None:
     """docs/batch.md: the Batch API job answered every line; `pergola batch` wrote the vectors, and
     its second run found them all written and sent nothing."""
-    batch = namespace["batch"]
+    assert [e.lang for e in examples(page)] == ["python", "python", "python", "sh", "python", "sh", "sh"]
+    batch = ran.namespace["batch"]
     assert batch.status == "completed" and batch.request_counts.completed == 4
-    assert set(namespace["answers"]) == {"doc-0", "doc-1", "doc-2", "ranking-0"}
-    assert namespace["vectors"].num_rows == 3
-    assert "3 of 3 already in vectors.parquet" in logs[1]
+    assert set(ran.namespace["answers"]) == {"doc-0", "doc-1", "doc-2", "ranking-0"}
+    assert ran.namespace["vectors"].num_rows == 3
+    assert "3 of 3 already in vectors.parquet" in ran.stderr[1]  # the second run sends nothing
     answered = [json.loads(line) for line in (folder / "answers.jsonl").read_text().splitlines()]
     assert sorted(r["custom_id"] for r in answered) == ["doc-0", "doc-1", "doc-2", "ranking-0"]
 
 
-CHECKS: dict[str, Callable[[dict, list[str], Path], None]] = {"batch.md": check_batch_page}
+def check_api_page(page: Path, ran: Ran, folder: Path) -> None:
+    """docs/api.md: every curl of its shell blocks answered JSON, one answer a line; its error
+    transcripts (console blocks, compared as they run) are there."""
+    assert "console" in {e.lang for e in examples(page)}
+    curls = 0
+    for example, out in zip(ran.shell, ran.stdout):
+        if "curl " not in example.code:
+            continue
+        answers = [line for line in out.splitlines() if line.strip()]
+        assert len(answers) == example.code.count("curl "), f"{example.where}: {out[-2000:]}"
+        for line in answers:
+            json.loads(line)
+        curls += len(answers)
+    assert curls >= 20, curls
+
+
+def check_long_documents_page(page: Path, ran: Ran, folder: Path) -> None:
+    """docs/long-documents.md: `each` answered windows that cover the document, `late` as many,
+    `mean` one vector per input counting its windows."""
+    assert [e.lang for e in examples(page)] == ["json", "python", "python", "python"]
+    windows, document = ran.namespace["windows"], ran.namespace["document"]
+    assert len(windows) > 5 and windows[0].chunk == 0 and windows[-1].text_span[1] == len(document)
+    assert len(ran.namespace["late"]) == len(windows)
+    assert [item.chunks for item in ran.namespace["pooled"].data] == [len(windows), 1]
+
+
+CHECKS: dict[str, Callable[[Path, Ran, Path], None]] = {
+    "batch.md": check_batch_page, "api.md": check_api_page, "long-documents.md": check_long_documents_page}
 RUNNABLE = [page for page in PAGES if any(e.runs for e in examples(page))]
 
 
@@ -77,9 +105,9 @@ def test_the_examples_of_each_page_run(page: Path, served, tmp_path: Path, monke
     process, ports = served
     (tmp_path / "model_repository").symlink_to(process.repo)  # the admin token's place, as under `make serve`
     monkeypatch.chdir(tmp_path)
-    namespace, logs = run_examples(page, ports, tmp_path)
+    ran = run_examples(page, ports, tmp_path)
     if page.name in CHECKS:
-        CHECKS[page.name](namespace, logs, tmp_path)
+        CHECKS[page.name](page, ran, tmp_path)
 
 
 def test_every_block_that_does_not_run_says_why():

@@ -389,7 +389,7 @@ def test_truncation_off_is_refused_in_each_api(gateway):
                                                        "truncate": False})
     assert status == 413 and "texts[1]" in out["error"], out
     status, message = openai_error(gateway, {"model": "minilm", "input": "x", "truncate": "LEFT"})
-    assert status == 422 and "`truncate`='LEFT' is not a truncation mode" in message
+    assert status == 400 and "`truncate`='LEFT' is not a truncation mode" in message  # (TEI's form: 422)
 
 
 def test_tei_truncation_direction_left_is_start(gateway):
@@ -648,10 +648,12 @@ def test_status_codes_say_what_to_change(gateway):
     status, message = openai_error(gateway, {"model": "ce", "input": "x"})
     assert status == 400 and "rerank model" in message
     assert openai_error(gateway, raw=b"{not json")[0] == 400
-    status, message = openai_error(gateway, {"input": 5})
-    assert status == 422 and "`input`" in message
+    status, message = openai_error(gateway, {"input": 5})  # a type error: 400, as OpenAI and vLLM answer
+    assert status == 400 and "`input`" in message
     status, message = openai_error(gateway, {"input": "x", "embedding_type": "int4"})
-    assert status == 422 and "embedding_type" in message
+    assert status == 400 and "embedding_type" in message
+    status, out, _ = call(gateway, "POST", "/embed", {"inputs": 5})  # TEI answers a type error 422
+    assert status == 422 and out["error_type"] == "Validation"
     assert openai_error(gateway, {"input": []})[0] == 400
     assert openai_error(gateway, {"input": ""})[0] == 400
     status, message = openai_error(gateway, {"input": "x" * (MAX_TEXT_CHARS + 1)})

@@ -3,6 +3,8 @@ asked for (pergola.encodings: EMBEDDING FP32 by default), or for a reranker, SCO
 order) and INDICES (best first, TOP_N of them when given): sigmoid(logit), or the logit itself
 with RAW_SCORES (pergola.heads: the activation is applied here, on the model's logits); for a
 classifier, PROBS [n, labels] (softmax or sigmoid; logits with RAW_SCORES) and LABELS [labels].
+With CHUNK_SPANS (late chunking, pergola.chunking) an embedder's rows are one per chunk: the mean
+of its tokens' last hidden states, summed on the device per step.
 
 `execute()` checks and queues each request and returns at once; the engine's loop thread
 (pergola/engine/loop.py) packs the sequences of every queued request into steps and answers
@@ -29,7 +31,8 @@ from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloadin
 from pergola.metrics import EncoderMetrics, info_labels
 from pergola.pooling import finish
 from pergola.rerank import RerankOptions, rank
-from pergola.token_outputs import TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
+from pergola.errors import RequestError
+from pergola.token_outputs import DEFAULT_OUTPUTS, TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
 from pergola.triton_io import (EmbedOptions, RequestInputs, admitted, classify_options, embed_options,
                                end_with_server, error_response, exit_soon, instance_device, is_fatal_device_error,
                                optional_array, required_array, rerank_options, set_cpu_threads)
@@ -107,6 +110,11 @@ class TritonPythonModel:
         if self.classify:
             return req, classify_options(inputs, request)
         options = embed_options(inputs, request, self.hidden, self.engine.spec.normalize, self.engine.spec.outputs)
+        spans = optional_array(inputs, request, "CHUNK_SPANS", np.int64)
+        if spans is not None:  # late chunking: one row per chunk, pooled over its spans (pergola.chunking)
+            if options.outputs != DEFAULT_OUTPUTS:
+                raise RequestError("CHUNK_SPANS (late chunking) gives dense vectors only; leave out OUTPUTS")
+            options = options._replace(spans=self.engine.late_request(req, spans))
         width = row_width(options.outputs, self.engine.runner.token_width)
         if width:  # bge-m3's per-token outputs: the loop fills these rows
             req.token_rows = np.empty((req.input_ids.size, width), dtype=np.float32)
@@ -220,6 +228,8 @@ class TritonPythonModel:
         costs microseconds (the outputs took 44 µs of a batch-1 request on the CPU host, History
         2026-12-05 in perf/RESULTS.md)."""
         outputs = {}
+        if options.spans is not None:
+            pooled = self.engine.late_vectors(req, options.spans)
         if not EMBEDDING_TENSORS.isdisjoint(wanted):
             dense = pooled if "dense" in options.outputs else pooled[:, :0]
             outputs = encoded_outputs(finish(dense, options.dimensions, options.normalize), options.encoding, wanted)

@@ -7,6 +7,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pergola.chunking import ChunkLimits
 from pergola.errors import StringLimits
 from pergola.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
 from pergola.options import convert, option
@@ -69,13 +70,17 @@ class EngineConfig:
                                        "but a query waits for the larger step (p50 7.2 ms instead of 3.9; "
                                        "perf/RESULTS.md, mixed traffic); 0: queries' steps hold queries only")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
-    max_texts: int = option(1024, "most texts in one embedding request")
-    max_documents: int = option(1024, "most documents in one rerank request")
+    max_texts: int = option(2048, "most texts in one embedding request (OpenAI's own maximum)")
+    max_documents: int = option(2048, "most documents in one rerank request")
     max_text_chars: int = option(1_000_000, "most characters in one text or document; longer ones are refused "
                                             "before any tokenization (INVALID_ARG)")
     max_request_chars: int = option(8_000_000, "most characters in one request, all its texts (or the query "
                                                "and its documents) together")
     max_query_chars: int = option(32_768, "most characters in a rerank query (it is never truncated)")
+    max_text_chunks: int = option(4096, "most windows one text may be cut into by `chunking` "
+                                        "(docs/long-documents.md); more are refused (413) before any encoding")
+    max_request_chunks: int = option(16_384, "most windows all the texts of one `chunking` request may be cut "
+                                             "into")
     max_queue_seconds: float = option(10.0, "refuse new work at once (UNAVAILABLE) while the encoder's queued "
                                             "tokens would take longer than this at its measured throughput; a "
                                             "request that could not finish within its own `timeout` is refused "
@@ -150,7 +155,7 @@ class EngineConfig:
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
         for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",
-                     "max_request_chars", "max_query_chars"):
+                     "max_request_chars", "max_query_chars", "max_text_chunks", "max_request_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.fp8_bf16_layers < 0:
@@ -206,6 +211,10 @@ class EngineConfig:
     def text_limits(self) -> StringLimits:
         """What one embedding request's TEXT may hold."""
         return StringLimits(self.max_texts, self.max_text_chars, self.max_request_chars, "max_texts")
+
+    def chunk_limits(self) -> ChunkLimits:
+        """How many windows `chunking` may cut one text, and one request's texts, into."""
+        return ChunkLimits(self.max_text_chunks, self.max_request_chunks)
 
     def document_limits(self) -> StringLimits:
         """What one rerank request's DOCUMENTS may hold (the query is counted in the total)."""

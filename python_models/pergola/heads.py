@@ -21,6 +21,8 @@ from pergola.hf_folder import ModelSpec
 
 Activation = Literal["sigmoid", "softmax"]
 LABELS_PARAMETER = "labels"  # a classifier's encoder config.pbtxt: its label names, a JSON list
+MAX_INPUT_PARAMETER = "max_input_length"  # every model's config.pbtxt: its longest input in tokens
+PROMPTS_PARAMETER = "prompt_names"  # an embedding model's config.pbtxt: the names of its prompts, a JSON list
 # Tasks whose answer is a head's output per sequence ([n, num_labels]) rather than a pooled embedding.
 HEAD_TASKS = ("rerank", "classify")
 

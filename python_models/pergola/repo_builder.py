@@ -19,8 +19,9 @@ from pathlib import Path
 from string import Template
 
 from pergola.config import EngineConfig, TritonModelOptions
-from pergola.heads import LABELS_PARAMETER, label_names
+from pergola.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER, label_names
 from pergola.hf_folder import load_model_spec
+from pergola.rerank import pair_max_length
 from pergola.token_outputs import TOKEN_OUTPUT_TYPES
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -124,6 +125,10 @@ def write_model(repo: Path, entry: ModelEntry, group: str) -> str:
     params.pop("device", None)  # the instance kind decides the device
     if spec.task == "classify":  # the column names of PROBS, for clients that read the config (TEI's /info)
         params[LABELS_PARAMETER] = json.dumps(label_names(spec))
+    # the longest input in tokens, for clients that read the config (TEI's /info, max_tokens checks)
+    params[MAX_INPUT_PARAMETER] = str(pair_max_length(spec) if spec.task == "rerank" else spec.max_seq_length)
+    if spec.task == "embed":  # (Cohere's input_type asks for a query or document prompt only where there is one)
+        params[PROMPTS_PARAMETER] = json.dumps(sorted(spec.prompts))
     block = _parameters_block(params)
     name = entry.name
     for part, template, adapter in (("tokenizer", tok_template, tok_adapter), ("encoder", enc_template, "encoder")):

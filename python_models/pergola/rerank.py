@@ -84,6 +84,13 @@ def qwen3_reranker_body(instruction: str, query: str, document: str) -> str:
     return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
 
 
+def pair_max_length(spec: ModelSpec, kind: RerankKind | None = None) -> int:
+    """Tokens a (query, document) pair may hold, its prompt included: the folder's
+    max_seq_length, and for the yes/no prompts at most QWEN3_RERANKER_MAX_LENGTH."""
+    kind = kind or reranker_kind(spec)
+    return min(spec.max_seq_length, QWEN3_RERANKER_MAX_LENGTH) if kind in ANSWER_WORDS else spec.max_seq_length
+
+
 def reranker_kind(spec: ModelSpec) -> RerankKind:
     """How a folder's pairs are laid out: "cross-encoder" (the tokenizer's pair template: BERT,
     XLM-RoBERTa, ModernBERT, and decoder ForSequenceClassification heads), or a yes/no prompt of a
@@ -177,11 +184,7 @@ class RerankTokenizer:
         self.kind = kind
         config = config or EngineConfig(model_dir=str(spec.path))
         self.limits, self.query_limits = config.document_limits(), config.query_limits()
-        if max_length is None:
-            max_length = spec.max_seq_length
-            if kind in ANSWER_WORDS:
-                max_length = min(max_length, QWEN3_RERANKER_MAX_LENGTH)
-        self.max_length = int(max_length)
+        self.max_length = int(max_length if max_length is not None else pair_max_length(spec, kind))
         if instruction is None:
             instruction = QWEN3_RERANKER_INSTRUCTION if kind == "qwen3-reranker" else ""
         self.instruction = instruction

@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
+from pergola.chunking import ChunkLimits, late_ranges, text_spans, window_count, window_starts
 from pergola.config import EngineConfig
 from pergola.errors import RequestError, StringLimits, quote, read_strings
 from pergola.hf_folder import ModelFolderError, ModelSpec
@@ -201,6 +202,34 @@ class Encoded:
 
 
 @dataclass(frozen=True)
+class Chunks:
+    """Texts cut into windows (pergola.chunking): what to encode, and which chunk is which."""
+
+    encoded: Encoded  # the sequences: a window's text each (each, mean), or the encoding windows (late)
+    sequences: np.ndarray  # [n] int32: sequences of each text, in order
+    chunks: np.ndarray  # [n] int32: chunks of each text
+    spans: np.ndarray  # [k, 2] int32: each chunk's characters [start, end) in its text
+    tokens: np.ndarray  # [k] int32: each chunk's tokens of its text's tokenization
+    ranges: np.ndarray  # [m, 3] int64, late: CHUNK_SPANS rows (chunk, start, end) over encoded.input_ids
+
+    @classmethod
+    def join(cls, parts: list["Chunks"]) -> "Chunks":
+        """The chunks of consecutive groups of texts as those of all of them (ranges renumbered)."""
+        if len(parts) == 1:
+            return parts[0]
+        chunks = np.cumsum([0] + [int(p.chunks.sum()) for p in parts[:-1]])
+        tokens = np.cumsum([0] + [int(p.encoded.input_ids.size) for p in parts[:-1]])
+        ranges = [p.ranges + np.array([k, t, t], dtype=np.int64) for p, k, t in zip(parts, chunks, tokens)]
+
+        def joined(name: str) -> np.ndarray:
+            return np.concatenate([getattr(p.encoded, name) for p in parts])
+
+        encoded = Encoded(joined("input_ids"), joined("lengths"), joined("prompt_lengths"), joined("truncated"))
+        return cls(encoded, *(np.concatenate([getattr(p, f) for p in parts])
+                              for f in ("sequences", "chunks", "spans", "tokens")), np.concatenate(ranges))
+
+
+@dataclass(frozen=True)
 class Tokens:
     """What the tokenizer makes of texts, token by token (TEI's /tokenize), without truncation."""
 
@@ -209,6 +238,29 @@ class Tokens:
     offsets: np.ndarray  # [num_tokens, 2] int32: characters [start, stop) in the text as tokenized
     #                      (its prompt first); -1, -1 for a special token
     pieces: list[str]  # [num_tokens]: each token's characters, or a special token's own text
+
+
+def _text_tokens(enc: Encoding, prompt_chars: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prompt + text tokenization -> (the prompt's ids, the text's ids, the text's token offsets
+    [n, 2] in the text): the prompt's tokens are those that begin in its characters."""
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    ids = np.asarray(enc.ids, dtype=np.int64)
+    head = int(np.searchsorted(offsets[:, 0], prompt_chars)) if prompt_chars else 0
+    return ids[:head], ids[head:], offsets[head:] - prompt_chars
+
+
+def check_windows(counts: list[int], limits: ChunkLimits | None) -> None:
+    """RequestError (a limit: 413) for a text, or texts, cut into more windows than `limits` allow."""
+    if limits is None:
+        return
+    most = max(counts)
+    if most > limits.per_text:
+        i = counts.index(most)
+        raise RequestError(f"TEXT[{i}] makes {most:,} windows; the limit is {limits.per_text:,} windows a text "
+                           "(max_text_chunks): send larger windows, or the text in parts")
+    if sum(counts) > limits.per_request:
+        raise RequestError(f"the texts make {sum(counts):,} windows; the limit is {limits.per_request:,} windows a "
+                           "request (max_request_chunks): send fewer texts, or larger windows")
 
 
 def token_limit(model_max: int, max_tokens: int | None, name: str = "MAX_TOKENS") -> int:
@@ -299,8 +351,9 @@ class TextTokenizer:
         its BOOL form; `max_tokens`: a limit below the model's (0 or None: the model's). The
         request's limits are checked before anything is tokenized."""
         texts = read_strings(texts, "TEXT", "text", self.limits)
-        prompt = self.resolve_prompt(prompt_name)
-        mode = truncate_mode(truncate)
+        return self._encode(texts, self.resolve_prompt(prompt_name), truncate_mode(truncate), max_tokens)
+
+    def _encode(self, texts: list[str], prompt: str, mode: str, max_tokens: int | None) -> Encoded:
         limit = token_limit(self.spec.max_seq_length, max_tokens)
         head = self._head_for(prompt) if prompt and mode == "START" else 0
         budget = self._budget(limit, self._head_for(prompt) if prompt else 0, max_tokens)
@@ -325,3 +378,71 @@ class TextTokenizer:
         prompt_lengths = np.full(len(texts), self._skip_for(prompt), dtype=np.int32)
         return Encoded(input_ids=np.concatenate(parts), lengths=lengths, prompt_lengths=prompt_lengths,
                        truncated=truncated)
+
+    def chunk(self, texts: list[str | bytes], size: int | None = None, overlap: int = 0, late: bool = False,
+              prompt_name: str | None = None, limits: ChunkLimits | None = None) -> Chunks:
+        """Texts cut into windows of `size` text tokens (0 or None: the most a sequence holds beside
+        the special tokens and the prompt), neighbours sharing `overlap` (pergola.chunking). `late`:
+        each text is encoded whole, in windows of the model's length, and its chunks are CHUNK_SPANS
+        over them. `size` and `overlap` are checked before anything is tokenized, the windows
+        against `limits` before anything is encoded."""
+        texts = read_strings(texts, "TEXT", "text", self.limits)
+        prompt = self.resolve_prompt(prompt_name)
+        head = self._head_for(prompt) if prompt else 0
+        budget = self._budget(self.spec.max_seq_length, head, None) - head  # text tokens a sequence holds
+        size = size or budget
+        if not 1 <= size <= budget:
+            raise RequestError(f"chunking.tokens (CHUNK_SIZE) = {size}: a window holds 1 to {budget} tokens of text "
+                               "with this model "
+                               f"(its limit of {self.spec.max_seq_length} less {self.spec.max_seq_length - budget} "
+                               "special and prompt tokens; 0 or omitted = all of them)")
+        if not 0 <= overlap < size:
+            raise RequestError(f"chunking.overlap (CHUNK_OVERLAP) = {overlap} must be at least 0 and below the "
+                               f"window's {size} tokens")
+        lowered = [t.lower() for t in texts] if self.spec.do_lower_case else texts
+        encodings = self._whole.encode_batch([prompt + t for t in lowered], add_special_tokens=False)
+        cut = [_text_tokens(e, len(prompt)) for e in encodings]  # (prompt ids, text ids, text offsets) per text
+        counts = [window_count(len(ids), size, overlap) for _, ids, _ in cut]
+        check_windows(counts, limits)
+        starts = [window_starts(len(ids), size, overlap) for _, ids, _ in cut]
+        ends = [np.minimum(a + size, len(ids)) for a, (_, ids, _) in zip(starts, cut)]
+        spans = [text_spans(offsets, a, b, len(t)) for (_, _, offsets), a, b, t in zip(cut, starts, ends, texts)]
+        if late:
+            encoded, sequences, ranges = self._late(cut, starts, ends, prompt, budget, overlap)
+        else:
+            windows = [t[a:b] for t, span in zip(texts, spans) for a, b in span.tolist()]
+            encoded = self._encode(windows, prompt, "END", None)  # (a window re-tokenized may pass the budget)
+            sequences, ranges = np.array(counts, dtype=np.int32), np.empty((0, 3), np.int64)
+        return Chunks(encoded, sequences, np.array(counts, dtype=np.int32), np.concatenate(spans),
+                      np.concatenate([b - a for a, b in zip(starts, ends)]).astype(np.int32), ranges)
+
+    def _late(self, cut: list[tuple[np.ndarray, np.ndarray, np.ndarray]], starts: list[np.ndarray],
+              ends: list[np.ndarray], prompt: str, budget: int, overlap: int) -> tuple[Encoded, np.ndarray, np.ndarray]:
+        """Late chunking's encoding: each text in windows of `budget` tokens sharing `overlap`, with
+        the special tokens and the prompt's tokens, and its chunks' CHUNK_SPANS over them."""
+        macro = [window_starts(len(ids), budget, overlap) for _, ids, _ in cut]
+        if max(map(len, macro)) > self.limits.max_count:
+            i = max(range(len(macro)), key=lambda j: len(macro[j]))
+            raise RequestError(f"TEXT[{i}] takes {len(macro[i]):,} sequences of this model's length to encode whole; "
+                               f"the limit is {self.limits.max_count:,} sequences in a request (max_texts): "
+                               "send it in parts")
+        parts, lengths, ranges, flat, first_chunk = [], [], [], 0, 0
+        lead = len(self.template.parts[0])
+        for (head, ids, _), m, a, b in zip(cut, macro, starts, ends):
+            seq_starts = []
+            for start in m.tolist():
+                window = np.concatenate([head, ids[start:start + budget]])
+                parts += self.template.ids(window)
+                seq_starts.append(flat)
+                lengths.append(len(window) + self.template.added)
+                flat += lengths[-1]
+            rows = late_ranges(len(ids), a, b, m, overlap, np.array(seq_starts), lead + len(head),
+                               np.array(lengths[-len(m):]))
+            rows[:, 0] += first_chunk
+            ranges.append(rows)
+            first_chunk += len(a)
+        lengths_array = np.array(lengths, dtype=np.int32)
+        encoded = Encoded(input_ids=np.concatenate(parts), lengths=lengths_array,
+                          prompt_lengths=np.full(len(lengths), self._skip_for(prompt), dtype=np.int32),
+                          truncated=np.zeros(len(lengths), dtype=bool))
+        return encoded, np.array([len(m) for m in macro], dtype=np.int32), np.concatenate(ranges)

@@ -83,6 +83,7 @@ class EmbedOptions(NamedTuple):
     normalize: bool
     encoding: str  # pergola.encodings
     outputs: tuple[str, ...] = DEFAULT_OUTPUTS  # dense, sparse, colbert (pergola.token_outputs)
+    spans: Any = None  # late chunking's pergola.chunking.SpanPlan (CHUNK_SPANS): one row per chunk
 
 
 class TokenizerAdapter:

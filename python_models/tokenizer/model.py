@@ -1,4 +1,5 @@
-"""Triton adapter for <name>_tokenizer: TEXT (+ options) -> flat token ids for the encoder."""
+"""Triton adapter for <name>_tokenizer: TEXT (+ options) -> flat token ids for the encoder; with
+CHUNK_SIZE, the texts cut into windows (`chunking`, pergola.chunking)."""
 
 import time
 
@@ -29,11 +30,29 @@ class TritonPythonModel(TokenizerAdapter):
             pb_utils.Tensor("TOKEN_OFFSETS", tokens.offsets[None, :]),
         ])
 
+    def _chunks(self, request, inputs: RequestInputs, texts: list) -> "pb_utils.InferenceResponse":
+        """Asked with CHUNK_SIZE (the gateway's `chunking`): the texts cut into windows (pergola.chunking)."""
+        self.trimmer.after(sum(map(len, texts)) * 16)  # the texts' tokens and offsets, and the windows'
+        started = time.perf_counter()
+        out = self.tokenizer.chunk(texts, size=optional_count(inputs, request, "CHUNK_SIZE"),
+                                   overlap=optional_count(inputs, request, "CHUNK_OVERLAP") or 0,
+                                   late=bool(optional_scalar(inputs, request, "CHUNK_LATE") or False),
+                                   prompt_name=optional_scalar(inputs, request, "PROMPT_NAME"),
+                                   limits=self.cfg.chunk_limits())
+        return self._respond(pb_utils, out.encoded, started, {
+            "PROMPT_LENGTHS": out.encoded.prompt_lengths[None, :],
+            "NORMALIZE_OUT": np.array([[self.spec.normalize]], dtype=bool),
+            "CHUNK_COUNTS": out.chunks, "CHUNK_SEQUENCES": out.sequences, "CHUNK_TEXT_SPANS": out.spans[None, :],
+            "CHUNK_LENGTHS": out.tokens, "CHUNK_SPANS": out.ranges.reshape(1, -1),
+        })
+
     def _execute_one(self, request, inputs: RequestInputs) -> "pb_utils.InferenceResponse":
         try:
             texts = required_strings(inputs, request, "TEXT")  # decoded and size-checked by encode()
             if "TOKEN_TEXT" in request.requested_output_names():
                 return self._tokens(request, inputs, texts)
+            if optional_count(inputs, request, "CHUNK_SIZE") is not None:
+                return self._chunks(request, inputs, texts)
             self.trimmer.after(sum(map(len, texts)) * 8)  # ids, offsets and copies: ~8 bytes a character
             options = embed_options(inputs, request, self.spec.hidden_size, self.spec.normalize, self.spec.outputs)
             started = time.perf_counter()

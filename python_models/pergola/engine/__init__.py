@@ -13,6 +13,7 @@ from typing import Callable, Hashable, Mapping
 import numpy as np
 import torch
 
+from pergola.chunking import SpanPlan
 from pergola.config import EngineConfig
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.runner import ModelRunner
@@ -29,6 +30,10 @@ class EncodeRequest:
     # [T, columns] fp32, given to get bge-m3's per-token outputs: the first columns of the runner's
     # per-token rows (token_outputs.row_width), filled as its steps finish.
     token_rows: np.ndarray | None = None
+    # Late chunking (pergola.chunking.SpanPlan): [T] int64, each token's atom (-1: none), and
+    # [atoms, hidden] fp32, the sums of each atom's last hidden states, filled as its steps finish.
+    segments: np.ndarray | None = None
+    segment_sums: np.ndarray | None = None
 
 
 class Engine:
@@ -111,6 +116,21 @@ class Engine:
                 else requests[s.request].token_types[s.start:s.start + s.length] for s in step.seqs])
         return ids, lengths, skips, types
 
+    @staticmethod
+    def _step_segments(requests: Mapping[Hashable, EncodeRequest], step: Step) -> np.ndarray | None:
+        """The step's tokens' atoms numbered within the step (step_atoms), -1 for none; None when
+        no request of the step has any."""
+        if all(requests[s.request].segments is None for s in step.seqs):
+            return None
+        parts = []
+        for s, (first, base, count) in zip(step.seqs, step_atoms(step, requests.get)):
+            if count == 0:
+                parts.append(np.full(s.length, -1, np.int64))
+                continue
+            own = requests[s.request].segments[s.start:s.start + s.length]  # type: ignore[index]
+            parts.append(np.where(own < 0, -1, own - first + base))
+        return np.concatenate(parts)
+
     def launch(self, step: Step, requests: Mapping[Hashable, EncodeRequest], lane: int = 0,
                hooked: bool = False) -> LazyTensor:
         """Start one step on the device and return without waiting (LazyTensor). `lane` and
@@ -119,10 +139,32 @@ class Engine:
         if self.runner.token_width:
             columns = max((requests[s.request].token_rows.shape[1] for s in step.seqs
                            if requests[s.request].token_rows is not None), default=0)
-        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked, token_columns=columns)
+        lazy = self.runner.step(*self._gather(requests, step), lane=lane, hooked=hooked, token_columns=columns,
+                                segments=self._step_segments(requests, step))
         self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
                           **{f"steps_{self.runner.last_mode}": 1})
         return lazy
+
+    def late_request(self, req: EncodeRequest, spans: np.ndarray) -> SpanPlan:
+        """Make `req` (validated) carry late chunking's CHUNK_SPANS (pergola.chunking): its atoms,
+        and room for their sums. RequestError for a model that is not an embedder, or bad spans."""
+        if self.spec.task != "embed":
+            raise RequestError(f"CHUNK_SPANS (late chunking) is for embedding models; this one is a {self.spec.task} "
+                               "model")
+        plan = SpanPlan.build(spans, req.lengths)
+        req.segments = plan.segments
+        req.segment_sums = np.zeros((plan.num_atoms, int(self.spec.hf_config["hidden_size"])), dtype=np.float32)
+        return plan
+
+    @torch.inference_mode()
+    def late_vectors(self, req: EncodeRequest, plan: SpanPlan) -> np.ndarray:
+        """Each late chunk's vector [k, out_dim] fp32, once `req`'s steps are done: the mean of its
+        tokens' last hidden states, through the model's Dense modules when it has them (what its
+        pooling feeds them), not yet truncated or normalised."""
+        means = plan.means(req.segment_sums)  # type: ignore[arg-type]
+        if getattr(self.runner.model, "dense", None) is None:
+            return means
+        return self.runner.dense_rows(torch.from_numpy(means).to(self.device)).cpu().numpy()
 
     def new_queue(self) -> WorkQueue:
         return WorkQueue(self.cfg.step_tokens, self.cfg.max_batch_seqs)
@@ -154,14 +196,38 @@ def scatter(step: Step, lazy: LazyTensor, results: Mapping[Hashable, np.ndarray]
     values = lazy.wait()
     for row, s in enumerate(step.seqs):
         results[s.request][s.index] = values[row]
-    file_token_rows(step, lazy.tokens(), request_of)
+    file_rows(step, lazy, request_of)
 
 
-def file_token_rows(step: Step, rows: np.ndarray | None, request_of: Callable[[Hashable], EncodeRequest | None]
-                    ) -> None:
+def step_atoms(step: Step, request_of: Callable[[Hashable], EncodeRequest | None]) -> list[tuple[int, int, int]]:
+    """Per sequence of the step, (its first atom in its request, its first row in the step's
+    atom sums, its atoms): late chunking's atoms (pergola.chunking.SpanPlan) lie inside one
+    sequence and are numbered in token order, so a sequence's are one run of numbers."""
+    out, base = [], 0
+    for s in step.seqs:
+        request = request_of(s.request)
+        segments = None if request is None or request.segments is None else request.segments[s.start:s.start + s.length]
+        pooled = segments[segments >= 0] if segments is not None else segments
+        if pooled is None or pooled.size == 0:
+            out.append((0, base, 0))
+            continue
+        first, count = int(pooled.min()), int(pooled.max() - pooled.min()) + 1
+        out.append((first, base, count))
+        base += count
+    return out
+
+
+def file_rows(step: Step, lazy: LazyTensor, request_of: Callable[[Hashable], EncodeRequest | None]) -> None:
     """Copy the step's per-token rows ([step tokens, columns], sequences in step order) into the
-    `token_rows` of the requests that gave one, as many columns as each has (request_of: key ->
-    request, None once it is gone)."""
+    `token_rows` of the requests that gave one, as many columns as each has, and its atom sums into
+    the `segment_sums` of those with late chunks (request_of: key -> request, None once it is
+    gone). Call after lazy.wait()."""
+    sums = lazy.segments()
+    if sums is not None:
+        for s, (first, base, count) in zip(step.seqs, step_atoms(step, request_of)):
+            if count:
+                request_of(s.request).segment_sums[first:first + count] = sums[base:base + count]  # type: ignore[union-attr]
+    rows = lazy.tokens()
     if rows is None:
         return
     offset = 0

@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pergola.engine import EncodeRequest, Engine, file_token_rows
+from pergola.engine import EncodeRequest, Engine, file_rows
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.scheduler import LaneQueue, Step
 from pergola.memory import HeapTrimmer
@@ -463,7 +463,7 @@ class EncodeLoop:
         self._busy_since = now
         done = []
         with self._cond:
-            file_token_rows(step, lazy.tokens(), lambda key: getattr(self._jobs.get(key), "request", None))
+            file_rows(step, lazy, lambda key: getattr(self._jobs.get(key), "request", None))
             for row, s in enumerate(step.seqs):
                 job = self._jobs.get(s.request)
                 if job is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -45,6 +45,8 @@ class BatchInputs:
     seq_ids: torch.Tensor  # [T] int64, sequence index of each token (mean pooling)
     token_weights: torch.Tensor | None  # [T] fp32, 0 for tokens pooling skips (prompt, padding)
     meta: AttentionMetadata
+    segments: torch.Tensor | None = None  # [T] int64, late chunking's atom of each token (G: none)
+    num_segments: int = 0  # G
 
 
 def host_inputs(lengths: np.ndarray, skips: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -320,33 +322,50 @@ class ModelRunner:
         """Tensors for one step without static buffers (CPU, or tests of the eager path)."""
         positions, seq_ids, weights = host_inputs(lengths, skips)
         dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
-
         types = token_types if token_types is not None else np.zeros(len(input_ids), dtype=np.int64)
         meta = AttentionMetadata.build(lengths.tolist(), dev, causal=self.spec.causal,
                                        padded=self.attn.needs_padding)
-        return BatchInputs(put(input_ids.astype(np.int64, copy=False)), put(positions),
-                           put(types.astype(np.int64, copy=False)), put(seq_ids),
-                           None if weights is None else put(weights), meta)
+        return BatchInputs(self._put(input_ids.astype(np.int64, copy=False)), self._put(positions),
+                           self._put(types.astype(np.int64, copy=False)), self._put(seq_ids),
+                           None if weights is None else self._put(weights), meta)
+
+    def _put(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+    def _with_segments(self, b: BatchInputs, segments: np.ndarray | None) -> BatchInputs:
+        """`b` with late chunking's atoms ([T] int64, -1: none; pergola.chunking), when the step has any."""
+        if segments is None:
+            return b
+        count = int(segments.max()) + 1
+        return replace(b, segments=self._put(np.where(segments < 0, count, segments)), num_segments=count)
 
     @torch.inference_mode()
-    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """-> (pooled [B, hidden] fp32 on the device (a reranker or classifier: its logits [B, num_labels]),
-        per-token rows [T, token_width] fp32 of bge-m3's heads, None for a model without them)."""
+        per-token rows [T, token_width] fp32 of bge-m3's heads, None for a model without them,
+        late chunking's atom sums [G, hidden] fp32 of the last hidden states, None without b.segments)."""
         hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
         tokens = None if self.token_heads is None else self.token_heads(hidden)
+        sums = None
+        if b.segments is not None:  # (fp32 sums, as mean pooling's; the extra row G takes the unpooled tokens)
+            sums = torch.zeros(b.num_segments + 1, hidden.shape[1], device=hidden.device, dtype=torch.float32)
+            sums = sums.index_add_(0, b.segments, hidden.float())[:b.num_segments]
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
         if self.spec.task in HEAD_TASKS:
-            return self.model.score(pooled), tokens
-        dense = getattr(self.model, "dense", None)  # sentence-transformers Dense modules, after pooling
-        return (pooled if dense is None else dense(pooled.to(self.dtype)).float()), tokens
+            return self.model.score(pooled), tokens, sums
+        return self.dense_rows(pooled), tokens, sums
+
+    def dense_rows(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The sentence-transformers Dense modules, after pooling ([B, hidden] -> [B, out] fp32); as is without them."""
+        dense = getattr(self.model, "dense", None)
+        return pooled if dense is None else dense(pooled.to(self.dtype)).float()
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
     def _static_forward(self, lane: int, s: int, t: int, max_seqlen: int | None = None,
-                        attn: AttentionBackend | None = None, plan: object | None = None) -> None:
+                        attn: AttentionBackend | None = None, plan: object | None = None,
+                        segments: np.ndarray | None = None) -> torch.Tensor | None:
         """Forward over `lane`'s static buffers padded to (s, t); writes pooled[:s] (and tokens[:t]). Graph-safe.
 
         GraphCache calls it with (lane, s, t) only, to warm up and capture a graph: the kernel of
@@ -356,11 +375,12 @@ class ModelRunner:
         if attn is None:
             attn, plan = self.graph_backend(t), self.lanes[lane].plans[(s, t)]
         # In a graph the longest sequence is unknown at capture: t bounds it.
-        b = buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan)
-        pooled, tokens = self.forward(b, attn)
+        b = self._with_segments(buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan), segments)
+        pooled, tokens, sums = self.forward(b, attn)
         buffers.pooled[:s].copy_(pooled)
         if tokens is not None:
             buffers.tokens[:t].copy_(tokens)
+        return sums  # (late chunking's, on eager steps only: a graph's step has none)
 
     def _plan(self, lane: Lane, attn: AttentionBackend, graph_key: tuple[int, int] | None = None) -> object | None:
         """The step's attention plan, for its metadata: host work once per step (FlashInfer), else None."""
@@ -370,26 +390,31 @@ class ModelRunner:
 
     def step(self, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None = None,
              token_types: np.ndarray | None = None, lane: int = 0, hooked: bool = False,
-             token_columns: int = 0) -> LazyTensor:
+             token_columns: int = 0, segments: np.ndarray | None = None) -> LazyTensor:
         """Launch one step (forward + pooling + copy to host) on `lane` and return without waiting.
         A `hooked` step calls `layer_hook` between its layers when it runs eagerly; the first
         `token_columns` columns of the per-token rows of bge-m3's heads come to the host too
-        (LazyTensor.tokens; 1: the sparse weights alone)."""
+        (LazyTensor.tokens; 1: the sparse weights alone); with `segments` ([T] int64 atoms of late
+        chunking, -1: none) the sums of each atom's hidden states (LazyTensor.segments), and the
+        step runs eagerly (its atoms are not a graph's fixed shape)."""
         if not self.lanes:
             with self._armed(hooked):
-                pooled, rows = self.forward(self.prepare(input_ids, lengths, skips, token_types))
-                return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None)
+                b = self._with_segments(self.prepare(input_ids, lengths, skips, token_types), segments)
+                pooled, rows, sums = self.forward(b)
+                return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None, segments=sums)
         ln = self.lanes[lane]
         with ln.on_stream():
-            return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns)
+            return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns, segments)
 
     def _lane_step(self, lane: int, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None,
-                   token_types: np.ndarray | None, hooked: bool, token_columns: int) -> LazyTensor:
+                   token_types: np.ndarray | None, hooked: bool, token_columns: int,
+                   segments: np.ndarray | None = None) -> LazyTensor:
         ln = self.lanes[lane]
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
-        key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None else None
+        key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None and segments is None else None
         s, t = key or (num_seqs, num_tokens)
         ln.buffers.fill(input_ids, lengths, skips, token_types, s, t)
+        sums = None
         if key is not None:
             # Planned for the key before every run: a replay runs the plan captured with the graph,
             # which the backend has just re-planned in place (FlashInfer: the key's own wrapper of
@@ -397,13 +422,15 @@ class ModelRunner:
             ln.plans[key] = self._plan(ln, self.graph_backend(t), graph_key=key)
             self.last_mode = ln.graphs.run(key)
         else:
-            # Above the graph crossover: eager, with the backend measured fastest for big steps.
+            # Above the graph crossover (or with late chunking's atoms): eager, with the backend measured
+            # fastest for big steps.
             plan = self._plan(ln, self.eager_attn)
             with self._armed(hooked):
-                self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan)
+                sums = self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan,
+                                            segments=segments)
             self.last_mode = "eager"
         rows = ln.buffers.tokens[:num_tokens, :token_columns] if token_columns else None
-        return self._lazy(ln.buffers.pooled[:num_seqs], ln, rows)
+        return self._lazy(ln.buffers.pooled[:num_seqs], ln, rows, sums)
 
     @contextmanager
     def _armed(self, on: bool):
@@ -417,12 +444,13 @@ class ModelRunner:
         finally:
             self._hook_armed = False
 
-    def _lazy(self, pooled: torch.Tensor, lane: Lane | None = None, tokens: torch.Tensor | None = None) -> LazyTensor:
+    def _lazy(self, pooled: torch.Tensor, lane: Lane | None = None, tokens: torch.Tensor | None = None,
+              segments: torch.Tensor | None = None) -> LazyTensor:
         if pooled.device.type == "cpu":
-            return LazyTensor(pooled, tokens=tokens)
+            return LazyTensor(pooled, tokens=tokens, segments=segments)
         if lane is None:  # a GPU without lanes: the plain pair of result buffers
             self._plain_results.reverse()
-            return LazyTensor(pooled, self._plain_results[0], tokens)
+            return LazyTensor(pooled, self._plain_results[0], tokens, segments)
         host = lane.results[lane.next_result]
         lane.next_result ^= 1
-        return LazyTensor(pooled, host, tokens)
+        return LazyTensor(pooled, host, tokens, segments)

@@ -10,8 +10,10 @@
                                  bulk to NAME_encoder over gRPC (cancellable) (replicas.py)
                                  (readiness, configs, index: gRPC)
 
-OpenAI `/v1/embeddings` (openai_api.py), Cohere/Jina `/v1/rerank` (rerank_api.py), TEI `/embed`,
-`/rerank`, `/info`, `/health` (tei_api.py); keys and envelopes in http.py and errors.py; the
-served models are read from Triton (catalog.py). `pergola serve` starts it beside tritonserver
+OpenAI `/v1/embeddings` (openai_api.py), Cohere/Jina `/v1/rerank` (rerank_api.py), Cohere
+`/v2/embed` (cohere_api.py), TEI `/embed`, `/rerank`, `/`, `/similarity`, `/info`, `/health`
+(tei_api.py), vLLM's fields and `/score` (vllm_api.py); the route table in app.py, every route and
+field in docs/api.md; keys and envelopes in http.py and errors.py; the served models are read
+from Triton (catalog.py). `pergola serve` starts it beside tritonserver
 (port 8080); `pergola gateway --triton HOST:PORT,...` runs it alone.
 """

@@ -9,7 +9,9 @@ Work is counted in tokens, the engine's unit (a step costs per token, engine/sch
 - before tokenizing it is estimated from characters: each input's characters over the model's
   characters per token, learned from answers (an input answered with far fewer tokens than its
   characters predict was cut at the model's limit: it is left out of the ratio, and the largest
-  such count caps every input's estimate); token ids count exactly;
+  such count caps every input's estimate); token ids count exactly; a request with `chunking`
+  counts its windows (Load.windowed: the tokens neighbouring windows share, and each window's
+  special tokens), and once they are cut, their exact tokens (Ticket.resize);
 - throughput is measured here, from answered calls: bulk tokens answered per second of the time
   this process had bulk work of that model in flight (busy time), over the last WINDOW_S of it.
   Queries are left out: their time is round trips, not throughput.
@@ -54,6 +56,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from pergola.chunking import window_count
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 
@@ -65,6 +68,7 @@ PRIOR_TOKENS = 256.0  # ...weighted as this many tokens; later answers outweigh 
 DECAY = 0.98  # each answer keeps this share of the ratio's earlier weight: it follows the traffic
 CUT = 2.0  # an input answered with fewer tokens than its characters / (CUT x ratio) was cut short
 SPECIAL_TOKENS = 2  # added to each input's estimate ([CLS] ... [SEP], <s> ... </s>)
+DEFAULT_LIMIT = 512  # a model's token limit, until an input cut short shows it (Load.cap)
 # Work is admitted to finish by this share of the queue bound (and of the request timeout): the
 # throughput is measured, not known, and the gateway's own refusals take CPU from the encoder on a
 # small host. Planned to the whole bound, the accepted p99 was 1.00-1.10x the bound with 64-256
@@ -139,6 +143,18 @@ class Load:
         """Tokens of inputs of `chars` characters each."""
         return estimate(chars, self.chars_per_token, self.cap)
 
+    def windowed(self, chars: Sequence[int], size: int | None, overlap: int) -> int:
+        """Tokens encoded for inputs of `chars` characters cut into windows of `size` text tokens
+        (None: the model's limit, as far as answers have shown it) sharing `overlap` (chunking,
+        pergola.chunking): every window's tokens, its shared ones and special tokens included."""
+        size = size or (self.cap or DEFAULT_LIMIT) - SPECIAL_TOKENS
+        total = 0
+        for c in chars:
+            n = math.ceil(c / self.chars_per_token)
+            windows = window_count(n, size, min(overlap, size - 1))
+            total += n + (windows - 1) * overlap + windows * SPECIAL_TOKENS
+        return total
+
     def learn(self, chars: Sequence[int], tokens: Sequence[int]) -> None:
         """The ratio and the cap from an answer: `tokens` of inputs of `chars` characters."""
         limit = CUT * self.chars_per_token
@@ -193,6 +209,11 @@ class Ticket:
         if self.lane:
             self.load.rate.add(done)
 
+    def resize(self, tokens: int) -> None:
+        """The request's work left is now known to be `tokens` (its windows cut, none encoded yet)."""
+        self.load.lanes[self.lane] += tokens - self.left
+        self.left = tokens
+
     def _release(self, tokens: int) -> None:
         self.left -= tokens
         self.load.lanes[self.lane] -= tokens
@@ -222,11 +243,16 @@ class Admission:
         """The queue bound: --queue-bound-s, else the model's max_queue_seconds (0: none)."""
         return self.queue_bound_s or float(model.limit("max_queue_seconds"))
 
-    def admit(self, model: ServedModel, chars: Sequence[int] | None = None, tokens: int | None = None) -> Ticket:
-        """A ticket for a request of inputs of `chars` characters (or of exactly `tokens` tokens),
-        or GatewayError 429 / 413 before any of its work is done."""
+    def admit(self, model: ServedModel, chars: Sequence[int] | None = None, tokens: int | None = None,
+              windows: tuple[int | None, int] | None = None) -> Ticket:
+        """A ticket for a request of inputs of `chars` characters (or of exactly `tokens` tokens;
+        or, with `windows` (size, overlap), cut into windows: Load.windowed), or GatewayError 429 /
+        413 before any of its work is done."""
         load = self.load(model)
-        own = tokens if tokens is not None else load.estimate(chars)  # type: ignore[arg-type]
+        if windows is not None:
+            own = load.windowed(chars, *windows)  # type: ignore[arg-type]
+        else:
+            own = tokens if tokens is not None else load.estimate(chars)  # type: ignore[arg-type]
         query_tokens = int(model.limit("query_tokens"))
         lane = 0 if query_tokens and own <= query_tokens else 1
         ahead = load.lanes[0] if lane == 0 else sum(load.lanes)

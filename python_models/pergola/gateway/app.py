@@ -1,9 +1,12 @@
 """The gateway's ASGI app (Starlette on uvicorn) and how it runs.
 
-Routes and their families (error envelopes): OpenAI /v1/embeddings, /v1/models; Cohere/Jina
-/v1/rerank, /v2/rerank; NIM /v1/ranking; vLLM /classify; TEI /embed, /embed_sparse, /embed_all,
-/predict, /tokenize, /info, /health; /rerank takes either form; OpenAI's /v1/files and /v1/batches
-(gateway/batch).
+Routes and their families (error envelopes): OpenAI /v1/embeddings (TEI's alias /embeddings),
+/v1/models; Cohere/Jina /v1/rerank, /v2/rerank, Cohere /v2/embed, /v1/embed; NIM /v1/ranking;
+vLLM /classify, /score, /detokenize; TEI /embed, /embed_sparse, /embed_all, /predict, /similarity,
+/decode, /vertex, /info, /health (/ping, GET /); by the body: /rerank (TEI's `texts` or Cohere's
+`documents`), /tokenize (TEI's `inputs` or vLLM's `prompt`), POST / (TEI's, by the served model's
+task) and /invocations (SageMaker's: any of them); OpenAI's /v1/files and /v1/batches
+(gateway/batch). docs/api.md documents each route and field.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import (classify_api, connections, metrics, openai_api, rerank_api, tei_api, tracing,
-                             triton_metrics)
+from pergola.gateway import (classify_api, cohere_api, connections, metrics, openai_api, rerank_api, tei_api,
+                             tracing, triton_metrics, vllm_api)
 from pergola.gateway.admission import CancelOnDisconnect
 from pergola.gateway.batch import BatchAPI
-from pergola.gateway.http import Keys, endpoint
+from pergola.gateway.http import Body, Keys, dispatch, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
 from pergola.options import from_environment, to_environment
@@ -62,8 +65,21 @@ def build_app(opts: GatewayOptions) -> Starlette:
 
     async def rerank_either(request: Request) -> Any:
         return await tei_api.rerank_either(holder["gateway"], keys, request)
+
+    def by_body(choose: Callable[[Gateway, Body], Awaitable[tuple[str, GatewayHandler]]],
+                ids_field: str | None = None) -> Callable[[Request], Awaitable[tuple[str, Any]]]:
+        """A route that speaks several APIs: the body says which (and so the error envelope)."""
+        async def pick(request: Request) -> tuple[str, Callable[[Request], Awaitable[Any]]]:
+            body = await holder["gateway"].body(request, ids_field)
+            keys.check(request)
+            chosen, handler = await choose(holder["gateway"], body)
+            return chosen, bound(handler)
+        return pick
     routes = [
         route("/v1/embeddings", "openai", openai_api.embeddings),
+        route("/embeddings", "openai", openai_api.embeddings),  # TEI's alias
+        route("/v2/embed", "cohere", cohere_api.embed_v2),
+        route("/v1/embed", "cohere", cohere_api.embed_v1),
         route("/v1/models", "openai", openai_api.models, "GET"),
         route("/v1/rerank", "cohere", rerank_api.rerank_route),
         route("/v2/rerank", "cohere", rerank_api.rerank_route),
@@ -74,9 +90,18 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/embed_all", "tei", tei_api.embed_all),  # bge-m3's ColBERT vectors
         route("/predict", "tei", tei_api.predict),
         route("/classify", "openai", classify_api.classify),  # vLLM's form
-        route("/tokenize", "tei", tei_api.tokenize),
+        route("/score", "openai", vllm_api.score),  # vLLM's
+        route("/v1/score", "openai", vllm_api.score),
+        route("/detokenize", "openai", vllm_api.detokenize),
+        Route("/tokenize", dispatch("tei", by_body(tokenize_form)), methods=["POST"]),  # TEI's or vLLM's
+        route("/similarity", "tei", tei_api.similarity),
+        route("/decode", "tei", tei_api.decode),
+        route("/vertex", "tei", tei_api.vertex),
+        Route("/", dispatch("tei", by_body(tei_root)), methods=["POST"]),  # TEI's, by the model's task
+        Route("/invocations", dispatch("tei", by_body(invocation, "input")), methods=["POST"]),  # SageMaker's
         route("/info", "tei", tei_api.info, "GET"),
-        Route("/health", endpoint("tei", bound(tei_api.health), None), methods=["GET"]),
+        *(Route(path, endpoint("tei", bound(tei_api.health), None), methods=["GET"])
+          for path in ("/health", "/ping", "/")),
         triton_metrics.route(lambda: holder["gateway"]),  # Triton's metrics text, per replica
         *batch.routes(route),
     ]
@@ -84,6 +109,33 @@ def build_app(opts: GatewayOptions) -> Starlette:
                   Middleware(tracing.TraceContext),  # gateway/metrics.py, gateway/tracing.py
                   Middleware(CancelOnDisconnect)]  # a client gone: its work stops (gateway/admission.py)
     return Starlette(routes=routes + [metrics.route()], lifespan=lifespan, middleware=middleware)
+
+
+async def tokenize_form(gw: Gateway, body: Body) -> tuple[str, GatewayHandler]:
+    """/tokenize: vLLM's form ({"prompt"}) or TEI's ({"inputs"})."""
+    return ("openai" if vllm_api.is_vllm_tokenize(body) else "tei"), tei_api.tokenize
+
+
+async def tei_root(gw: Gateway, body: Body) -> tuple[str, GatewayHandler]:
+    """TEI's `POST /`: tei_api.root decides by the body and the served model's task."""
+    return "tei", tei_api.root
+
+
+async def invocation(gw: Gateway, body: Body) -> tuple[str, GatewayHandler]:
+    """SageMaker's /invocations, as vLLM and TEI answer it: a rerank body ({"query",
+    "documents"}), a /score body, an OpenAI embeddings body ({"input"}; /classify's for a
+    classifier), else TEI's form (`POST /`)."""
+    data = body.data
+    if "query" in data and "documents" in data:
+        return "cohere", rerank_api.rerank_route
+    if vllm_api.is_score(body):
+        return "openai", vllm_api.score
+    if "input" in data or "messages" in data:
+        catalog = await gw.catalog()
+        name = data.get("model")
+        classify = isinstance(name, str) and name in catalog and catalog[name].task == "classify"
+        return "openai", classify_api.classify if classify else openai_api.embeddings
+    return "tei", tei_api.root
 
 
 def create_app() -> Starlette:

@@ -30,6 +30,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 from pergola.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
 from pergola.classify import ClassifyTokenizer
+from pergola.encodings import check_encoding, quantize
 from pergola.errors import RequestError
 from pergola.gateway.admission import Admission, Ticket, lengths, refused_later, watch_client
 from pergola.gateway.catalog import ServedModel
@@ -42,7 +43,7 @@ from pergola.gateway.tracing import triton_call
 from pergola.gateway.triton_http import Tensor
 from pergola.rerank import RerankTokenizer
 from pergola.token_outputs import TOKEN_OUTPUT_TYPES
-from pergola.tokenization import TextTokenizer
+from pergola.tokenization import Chunks, Encoded, TextTokenizer, check_windows
 from pergola.triton_io import ADMITTED
 
 # A call of more tokens than this goes over gRPC, cancellable (module docstring): about one forward
@@ -65,6 +66,25 @@ class EmbedOptions:
     truncate: str | None = None  # NONE | START | END (None: the model's default)
     max_tokens: int | None = None  # a limit below the model's
     encoding: str = "float32"  # a key of OUTPUTS
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """A request's `chunking` (docs/long-documents.md, pergola.chunking): windows of `tokens` text
+    tokens (None: the most the model takes), neighbours sharing `overlap`, pooled `each` (a vector
+    per window), `mean` (one per input) or `late` (a vector per window from the text's one encoding)."""
+
+    tokens: int | None = None
+    overlap: int = 0
+    pooling: str = "each"
+
+
+@dataclass
+class ChunkedEmbedded:
+    vectors: np.ndarray  # [k, dim] a row per chunk (each, late) or [n, dim] per input (mean), OUTPUTS[encoding]'s dtype
+    chunks: np.ndarray  # [n] int: chunks of each input
+    spans: np.ndarray  # [k, 2] int: each chunk's characters [start, end) in its input
+    tokens: np.ndarray  # [n] int: tokens encoded for each input (its windows', special tokens included)
 
 
 @dataclass(frozen=True)
@@ -151,6 +171,39 @@ class TooLong(GatewayError):
     def __init__(self, index: int, limit: int, message: str) -> None:
         super().__init__(400, message)
         self.index, self.limit = index, limit
+
+
+# NAME_tokenizer's answer to a `chunking` request (CHUNK_SIZE)
+_CHUNK_OUTPUTS = ["INPUT_IDS", "LENGTHS", "PROMPT_LENGTHS", "NORMALIZE_OUT", "CHUNK_COUNTS", "CHUNK_SEQUENCES",
+                  "CHUNK_TEXT_SPANS", "CHUNK_LENGTHS", "CHUNK_SPANS"]
+_TEXT_INDEX = re.compile(r"TEXT\[(\d+)\]")
+
+
+def weighted_means(vectors: np.ndarray, weights: np.ndarray, firsts: np.ndarray, normalize: bool) -> np.ndarray:
+    """`mean` pooling: each text's windows' vectors ([k, d] fp32, a text's from firsts[i] on)
+    averaged with their tokens as weights (a window of none weighs 1), normalised when asked:
+    [n, d] fp32."""
+    w = np.maximum(weights, 1).astype(np.float64)
+    out = np.add.reduceat(vectors * w[:, None], firsts, axis=0) / np.add.reduceat(w, firsts)[:, None]
+    if normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out.astype(np.float32)
+
+
+async def _renumbered(start: int, call: Awaitable[T]) -> T:
+    """A chunk's call; a refusal naming its TEXT[i] names the request's TEXT[start + i]."""
+    try:
+        return await call
+    except GatewayError as e:
+        e.message = _TEXT_INDEX.sub(lambda m: f"TEXT[{start + int(m[1])}]", e.message, count=1)
+        raise
+
+
+def _named(error: GatewayError, field: str) -> GatewayError:
+    """`error` naming the route's `field` where it names TEXT, and pointing at `chunking`."""
+    error.message = _TEXT_INDEX.sub(lambda m: f"{field}[{m[1]}]", error.message, count=1)
+    error.param = error.param or "chunking"
+    return error
 
 
 T = TypeVar("T")
@@ -265,11 +318,11 @@ class Backend:
         self.grpc_headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
 
     @contextlib.contextmanager
-    def _admitted(self, model: ServedModel, chars: list[int] | None = None,
-                  tokens: int | None = None) -> Iterator[Ticket]:
+    def _admitted(self, model: ServedModel, chars: list[int] | None = None, tokens: int | None = None,
+                  windows: tuple[int | None, int] | None = None) -> Iterator[Ticket]:
         """The request's ticket (admission.py) while it is answered, or its 429 / 413 before any
         of its work; a 429 from Triton later gets its Retry-After from the backlog too."""
-        ticket = self.admission.admit(model, chars, tokens)
+        ticket = self.admission.admit(model, chars, tokens, windows)
         if ticket.left > CANCELLABLE_TOKENS:
             watch_client()  # (its client leaving cancels it: CancelOnDisconnect)
         try:
@@ -377,6 +430,113 @@ class Backend:
             return await self._here_or_ensemble(
                 model, texts, lambda tok: self._embed_here(model, tok, texts, opts, work, chars),
                 lambda: self._embed_ensemble(model, texts, opts, work, chars))
+
+    async def embed_chunks(self, model: ServedModel, texts: list[str], opts: EmbedOptions, chunking: Chunking,
+                           field: str = "input") -> ChunkedEmbedded:
+        """`texts` cut into windows and embedded (pergola.chunking). Cut where they would be
+        tokenized: here when the request is short and the gateway has the served version's files
+        (TextTokenizer.chunk, on a tokenizing thread), else by NAME_tokenizer (CHUNK_SIZE) in chunks
+        of texts spread over the replicas, as any long request's tokenizing is, off the gateway's
+        CPU. The windows then go to NAME_encoder in chunks (late: each text's encoding windows
+        together, with their CHUNK_SPANS), spread over the replicas like any chunk. They are the
+        request's work from its admission on (Load.windowed), exactly once cut (Ticket.resize).
+        Refusals name `field` (the route's) for the texts."""
+        chars = lengths(texts)
+        late = chunking.pooling == "late"
+
+        async def here(tokenizer: TextTokenizer) -> ChunkedEmbedded:
+            cut = await self._encoded_here(texts, lambda: tokenizer.chunk(
+                texts, chunking.tokens, chunking.overlap, late, opts.prompt_name, model.chunk_limits()))
+            return await self._encode_chunks(model, cut, tokenizer.spec.normalize, opts, chunking, work, chars,
+                                             model.version or "")
+
+        async def ensemble() -> ChunkedEmbedded:
+            spans = chunks(chars, self.chunk_texts, self.chunk_chars)
+            parts = await self._chunked([lambda a=a, b=b: _renumbered(a, self._cut_in_triton(model, texts[a:b], opts,
+                                                                                             chunking, work))
+                                         for a, b in spans])
+            cut = Chunks.join([c for c, _ in parts])
+            check_windows(cut.chunks.tolist(), model.chunk_limits())  # (each call checked its own texts)
+            return await self._encode_chunks(model, cut, parts[0][1], opts, chunking, work, chars, "")
+
+        with self._admitted(model, chars, windows=(None if late else chunking.tokens, chunking.overlap)) as work:
+            try:
+                return await self._here_or_ensemble(model, texts, here, ensemble)
+            except RequestError as e:
+                raise _named(refused(str(e)), field) from None
+            except GatewayError as e:
+                raise _named(e, field) from None
+
+    async def _cut_in_triton(self, model: ServedModel, texts: list[str], opts: EmbedOptions, chunking: Chunking,
+                             work: Ticket) -> tuple[Chunks, bool]:
+        """`texts` cut by NAME_tokenizer (CHUNK_SIZE), and whether the model normalises by default."""
+        inputs = [Tensor("TEXT", np.array([t.encode("utf-8") for t in texts], dtype=object), "BYTES"),
+                  Tensor("CHUNK_SIZE", np.array([chunking.tokens or 0], dtype=np.int32), "INT32"),
+                  Tensor("CHUNK_OVERLAP", np.array([chunking.overlap], dtype=np.int32), "INT32")]
+        if chunking.pooling == "late":
+            inputs.append(Tensor("CHUNK_LATE", np.array([True]), "BOOL"))
+        if opts.prompt_name is not None:
+            inputs.append(Tensor("PROMPT_NAME", np.array([opts.prompt_name.encode()], dtype=object), "BYTES"))
+        r = await self._infer(f"{model.target}_tokenizer", inputs, _CHUNK_OUTPUTS, work=work)
+        lengths_ = r.as_numpy("LENGTHS")[0]
+        encoded = Encoded(r.as_numpy("INPUT_IDS")[0], lengths_, r.as_numpy("PROMPT_LENGTHS")[0],
+                          np.zeros(lengths_.size, dtype=bool))
+        cut = Chunks(encoded, r.as_numpy("CHUNK_SEQUENCES"), r.as_numpy("CHUNK_COUNTS"),
+                     r.as_numpy("CHUNK_TEXT_SPANS")[0], r.as_numpy("CHUNK_LENGTHS"),
+                     r.as_numpy("CHUNK_SPANS").reshape(-1, 3))
+        return cut, bool(r.as_numpy("NORMALIZE_OUT").reshape(-1)[0])
+
+    async def _encode_chunks(self, model: ServedModel, cut: Chunks, normalizes: bool, opts: EmbedOptions,
+                             chunking: Chunking, work: Ticket, chars: list[int], version: str) -> ChunkedEmbedded:
+        """The cut texts' sequences through NAME_encoder in chunks over the replicas -> their vectors:
+        a row per window (each), per late chunk (late), or per text (mean: the token-weighted mean
+        of its windows' vectors, normalised when `normalize` is on: the request's, else the model's
+        `normalizes`)."""
+        enc = cut.encoded
+        work.resize(int(enc.lengths.sum()))
+        mean = chunking.pooling == "mean"
+        normalize = normalizes if opts.normalize is None else opts.normalize
+        if mean:
+            check_encoding(opts.encoding, normalize)  # (the encoder checks it for rows it encodes itself)
+        asked = replace(opts, encoding="float32") if mean else opts
+        output, dtype = OUTPUTS[asked.encoding]
+        seq_at = np.zeros(enc.lengths.size + 1, dtype=np.int64)  # each sequence's first token
+        np.cumsum(enc.lengths, out=seq_at[1:])
+        text_seq = np.zeros(cut.sequences.size + 1, dtype=np.int64)  # each text's first sequence
+        np.cumsum(cut.sequences, out=text_seq[1:])
+        text_chunk = np.zeros(cut.chunks.size + 1, dtype=np.int64)  # each text's first chunk
+        np.cumsum(cut.chunks, out=text_chunk[1:])
+
+        async def one(a: int, b: int, spans: np.ndarray | None = None) -> np.ndarray:
+            """Sequences [a, b) (with their late chunks' CHUNK_SPANS) -> their rows."""
+            t0, t1 = int(seq_at[a]), int(seq_at[b])
+            inputs = [Tensor("INPUT_IDS", enc.input_ids[None, t0:t1], "INT64"),
+                      Tensor("LENGTHS", enc.lengths[None, a:b], "INT32")]
+            if enc.prompt_lengths[a:b].any():
+                inputs.append(Tensor("PROMPT_LENGTHS", enc.prompt_lengths[None, a:b], "INT32"))
+            if spans is not None:
+                inputs.append(Tensor("CHUNK_SPANS", spans.reshape(1, -1), "INT64"))
+            result = await self._encode(model, [*inputs, *_encoder_options(asked, [1, 1])], [output], t1 - t0, work,
+                                        version)
+            work.answered(None, enc.lengths[a:b])
+            return result.as_numpy(output).view(dtype)
+
+        def late_call(a: int, b: int) -> Awaitable[np.ndarray]:
+            """Texts [a, b): their encoding windows and chunks' CHUNK_SPANS, renumbered for the call."""
+            k0, k1 = int(text_chunk[a]), int(text_chunk[b])
+            rows = cut.ranges[np.searchsorted(cut.ranges[:, 0], k0):np.searchsorted(cut.ranges[:, 0], k1)]
+            t0 = int(seq_at[text_seq[a]])
+            return one(int(text_seq[a]), int(text_seq[b]), rows - np.array([k0, t0, t0], dtype=np.int64))
+
+        if chunking.pooling == "late":
+            calls = [partial(late_call, a, b) for a, b in chunks(chars, self.chunk_texts, self.chunk_chars)]
+        else:
+            calls = [partial(one, a, b) for a, b in chunks((cut.spans[:, 1] - cut.spans[:, 0]).tolist(),
+                                                           self.chunk_texts, self.chunk_chars)]
+        vectors = np.concatenate(await self._chunked(calls))
+        if mean:
+            vectors = quantize(weighted_means(vectors, cut.tokens, text_chunk[:-1], normalize), opts.encoding)
+        return ChunkedEmbedded(vectors, cut.chunks, cut.spans, np.add.reduceat(enc.lengths, text_seq[:-1]))
 
     async def _here_or_ensemble(self, model: ServedModel, texts: list[str],
                                 here: Callable[[Any], Awaitable[T]], ensemble: Callable[[], Awaitable[T]]) -> T:

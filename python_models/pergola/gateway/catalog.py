@@ -18,10 +18,11 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from pergola.admin import GRPC_ADMIN_HEADER
+from pergola.chunking import ChunkLimits
 from pergola.config import EngineConfig
 from pergola.errors import StringLimits
 from pergola.gateway.replicas import CONTROL_TIMEOUT_S
-from pergola.heads import LABELS_PARAMETER
+from pergola.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER
 from pergola.options import convert
 
 log = logging.getLogger("pergola.gateway")
@@ -65,14 +66,33 @@ class ServedModel:
     outputs: tuple[str, ...] = ("dense",)  # an embedder's OUTPUTS: bge-m3's sparse / colbert where declared
     version: str | None = None  # the encoder's served version (the newest ready one), None if unknown
     pipeline: Pipeline | None = None  # the ensemble's steps (None: call the ensemble only)
+    max_input_length: int | None = None  # tokens in the longest input (a rerank pair), None if not written
+    gpu: bool = False  # the encoder's instances are on GPUs (KIND_GPU)
+    tokenizer_instances: int = 1  # NAME_tokenizer's instances per replica
+    prompts: tuple[str, ...] | None = None  # an embedding model's prompt names, None if not written
 
     def limit(self, name: str) -> Any:
         """An EngineConfig limit as this model's server has it (its default if not written)."""
         return self.settings[name] if name in self.settings else _DEFAULTS[name]
 
+    @property
+    def step_tokens(self) -> int:
+        """The encoder's token budget per forward step (EngineConfig.step_tokens)."""
+        return self.limit("max_batch_tokens") or (16384 if self.gpu else 1024)
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype (EngineConfig.compute_dtype): "auto" is bfloat16 on a GPU, float32 on the CPU."""
+        dtype = self.limit("dtype")
+        return dtype if dtype != "auto" else "bfloat16" if self.gpu else "float32"
+
     def text_limits(self, count_option: str = "max_texts") -> StringLimits:
         return StringLimits(self.limit(count_option), self.limit("max_text_chars"),
                             self.limit("max_request_chars"), count_option)
+
+    def chunk_limits(self) -> ChunkLimits:
+        """How many windows `chunking` may cut one text, and one request's texts, into."""
+        return ChunkLimits(self.limit("max_text_chunks"), self.limit("max_request_chunks"))
 
 
 def _settings(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -108,11 +128,22 @@ async def describe(client: grpcaio.InferenceServerClient, name: str) -> ServedMo
         return None
     parameters = encoder.get("parameters", {})
     labels = json.loads(parameters.get(LABELS_PARAMETER, {}).get("string_value") or "[]")
+    longest = parameters.get(MAX_INPUT_PARAMETER, {}).get("string_value")
+    prompts = parameters.get(PROMPTS_PARAMETER, {}).get("string_value")
+    try:
+        tokenizer = (await client.get_model_config(f"{target}_tokenizer", as_json=True,
+                                                   client_timeout=CONTROL_TIMEOUT_S))["config"]
+    except InferenceServerException:
+        tokenizer = {}
     declared = {o["name"] for o in config.get("output", [])}
     outputs = ("dense", *(o for o, tensor in (("sparse", "SPARSE_INDICES"), ("colbert", "TOKEN_EMBEDDINGS"))
                           if tensor in declared))
     return ServedModel(name, target, task, _settings(parameters), labels, outputs,
-                       await served_version(client, f"{target}_encoder"), pipeline(steps))
+                       await served_version(client, f"{target}_encoder"), pipeline(steps),
+                       int(longest) if longest and longest.isdigit() else None,
+                       any(g.get("kind") == "KIND_GPU" for g in encoder.get("instance_group", [])),
+                       sum(int(g.get("count", 1)) for g in tokenizer.get("instance_group", [])) or 1,
+                       tuple(json.loads(prompts)) if prompts else None)
 
 
 async def served_version(client: grpcaio.InferenceServerClient, model: str) -> str | None:

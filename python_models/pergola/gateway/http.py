@@ -121,10 +121,13 @@ Handler = Callable[[Request], Awaitable[Any]]
 
 def error_response(exc: GatewayError | RequestError, family: str) -> Response:
     """An error in `family`'s envelope; the engine's own input checks (RequestError, run here
-    before any work) are 413 when a limit was passed, else 400. The message is cut to
+    before any work) are 413 when a limit was passed, else 400; a field of the wrong type or
+    value is 422 in TEI's envelope (as TEI answers) and 400 in the others. The message is cut to
     pergola.errors.MESSAGE_CHARS: the last guard against echoing what a client sent."""
     if isinstance(exc, RequestError):
         exc = refused(str(exc))
+    if exc.status == 422 and family != "tei":  # TEI answers a bad field 422; OpenAI, vLLM, Cohere 400
+        exc = GatewayError(400, exc.message, exc.param)
     if len(exc.message) > MESSAGE_CHARS:
         exc = GatewayError(exc.status, bounded(exc.message), exc.param)
     return JSONResponse(exc.body(family), status_code=exc.status, headers=exc.headers())
@@ -133,17 +136,33 @@ def error_response(exc: GatewayError | RequestError, family: str) -> Response:
 def endpoint(family: str, handler: Handler, keys: Keys | None) -> Callable[[Request], Awaitable[Response]]:
     """A route: key check, the handler's result as JSON, errors in `family`'s envelope."""
 
+    async def pick(request: Request) -> tuple[str, Handler]:
+        if keys is not None:
+            keys.check(request)
+        return family, handler
+
+    return dispatch(family, pick)
+
+
+Pick = Callable[[Request], Awaitable[tuple[str, Handler]]]
+
+
+def dispatch(family: str, pick: Pick) -> Callable[[Request], Awaitable[Response]]:
+    """A route whose handler and envelope pick(request) chooses (it checks the key: a route that
+    speaks several APIs reads the body first, to answer in the envelope the body speaks); an
+    error before the choice is in `family`'s envelope."""
+
     async def run(request: Request) -> Response:
+        chosen = family
         try:
-            if keys is not None:
-                keys.check(request)
+            chosen, handler = await pick(request)
             result = await handler(request)
             return result if isinstance(result, Response) else JSONResponse(result)
         except (GatewayError, RequestError) as e:
-            return error_response(e, family)
+            return error_response(e, chosen)
         except Exception as e:  # noqa: BLE001 - a bug here: say so in the API's envelope, keep serving
             log.exception("%s %s failed", request.method, request.url.path)
             return error_response(GatewayError(500, f"internal error in the gateway: {type(e).__name__}: {e}"),
-                                  family)
+                                  chosen)
 
     return run

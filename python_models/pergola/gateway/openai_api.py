@@ -5,7 +5,9 @@ go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `e
 float|base64, `user` ignored), pergola takes `prompt_name` or `input_type` (query, passage or
 document; Cohere's search_query / search_document too), `truncate` (NONE, START or END as NIM and
 Cohere send it, or true = END / false = NONE), `max_tokens` (Cohere's: a limit below the model's),
-`normalize` (TEI's; default the model's), and `embedding_type` with
+`normalize` (TEI's; default the model's), `chunking` (long texts in windows: gateway/chunking.py),
+vLLM's pooling fields (vllm_api.py: `truncate_prompt_tokens`, `truncation_side`, `use_activation`,
+`embed_dtype`, `endianness`), and `embedding_type` with
 Cohere's meanings: float, float16, int8 (round(127 x) of the unit vector), uint8 (int8 + 128),
 ubinary (sign bits, 8 dimensions a byte, first in the high bit) and binary (ubinary - 128, as
 int8). base64 carries the little-endian bytes of each row in that type.
@@ -22,10 +24,12 @@ from starlette.responses import Response
 
 from pergola.errors import RequestError, quote, read_strings
 from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
-from pergola.gateway.errors import GatewayError
+from pergola.gateway.chunking import chunking_option, openai_chunked
+from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
+from pergola.gateway.vllm_api import Pooling, sys_order
 from pergola.tokenization import truncate_mode
 
 _SAME = lambda codes: codes  # noqa: E731
@@ -85,6 +89,7 @@ def embeddings_answer(name: str, values: np.ndarray, as_base64: bool, tokens: in
 async def embeddings(gw: Gateway, request: Request) -> Response:
     body = await gw.body(request, ids_field="input")
     model = await gw.model(body.get("model", str), "embed")
+    pooling = Pooling.of(body, model)  # vLLM's fields (vllm_api.py)
     raw = body.get("input", (str, list, TokenIds), required=True)
     embedding_type = body.get("embedding_type", str, "float")
     if embedding_type not in EMBEDDING_TYPES:
@@ -95,7 +100,16 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
         raise GatewayError(422, f"`encoding_format` must be float or base64, got {quote(encoding_format)}",
                            "encoding_format")
     opts = embed_options(body, embedding_type)
+    opts = pooling.options(opts, model, token_ids=isinstance(raw, TokenIds))
+    chunking = chunking_option(body)
+    if chunking is not None:  # long texts in windows (gateway/chunking.py)
+        if pooling.keep is not None or pooling.dtype != "float32" or pooling.byteorder not in ("=", sys_order()):
+            raise bad_request("`chunking` answers float32 windows of whole texts: send it without "
+                              "`truncate_prompt_tokens`, `embed_dtype` and `endianness`", "chunking")
+        return await openai_chunked(gw, model, raw, opts, chunking, EMBEDDING_TYPES[embedding_type][1],
+                                    encoding_format == "base64")
     if isinstance(raw, TokenIds):  # (gw.body reads token ids so: checked, flat)
+        raw = pooling.cut(raw)
         if opts.prompt_name is not None or opts.truncate is not None or opts.max_tokens is not None:
             raise GatewayError(422, "token-id input is sent as it is: no prompt_name, input_type, truncate or "
                                     "max_tokens")
@@ -113,6 +127,8 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
         except TooLong as e:
             raise too_long(e, "input", 'send "truncate": "END" (or "START") to cut it') from None
     values = EMBEDDING_TYPES[embedding_type][1](out.vectors)
+    if encoding_format == "base64":
+        values = pooling.wire(values)
     return await answer(gw.offload, values.size, embeddings_answer, model.name, values, encoding_format == "base64",
                         int(out.tokens.sum()))
 

@@ -4,12 +4,13 @@ the body has `documents` (with `texts` it is TEI's form: tei_api.py); NVIDIA NIM
     {"model": "rerank", "query": "...", "documents": ["..." or {"text": "..."}], "top_n": 3,
      "return_documents": false, "max_tokens_per_doc": 4096}
  -> {"id", "results": [{"index", "relevance_score", "document": {"text"}?}] best first, "meta",
-     "usage": {"total_tokens"}}
+     "usage": {"prompt_tokens", "total_tokens"}}
 
-`max_tokens_per_doc` (Cohere's) cuts each document to that many tokens; pergola's extras:
+`max_tokens_per_doc` (Cohere's) cuts each document to that many tokens; vLLM's `use_activation`
+(false: the logits) and `truncate_prompt_tokens` (-1) are honoured (vllm_api.py); pergola's extras:
 `truncate` (NONE, START, END or a boolean, which end of a document is cut) and `instruction`
 (a Qwen3-Reranker's task). `usage.total_tokens` (Jina's and vLLM's) counts every (query,
-document) pair's tokens as the encoder ran them.
+document) pair's tokens as the encoder ran them; `usage.prompt_tokens` (vLLM's) the same.
 
     NIM: {"model", "query": {"text"}, "passages": [{"text"}], "truncate": "NONE" | "END"}
  -> {"rankings": [{"index", "logit"}] best first, "usage": {"total_tokens"}}: raw scores (a
@@ -30,6 +31,7 @@ from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body
 from pergola.gateway.openai_api import too_long, truncate_option
 from pergola.gateway.state import Gateway
+from pergola.gateway.vllm_api import rerank_fields
 
 
 def best_first(scores: np.ndarray, top_n: int | None) -> list[int]:
@@ -68,7 +70,10 @@ async def scores_of(gw: Gateway, body: Body, documents_field: str,
 
 
 async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
-    opts = rerank_options(body, truncate_option(body), "max_tokens_per_doc")
+    model = await gw.model(body.get("model", str), "rerank")
+    activation = rerank_fields(body, model)  # vLLM's use_activation, truncate_prompt_tokens (vllm_api.py)
+    truncate = truncate_option(body) or ("END" if "truncate_prompt_tokens" in body.data else None)
+    opts = rerank_options(body, truncate, "max_tokens_per_doc", raw_scores=activation is False)
     top_n = body.count("top_n")  # (more than the documents: all of them, as Cohere answers)
     with_docs = body.get("return_documents", bool, False)
     try:
@@ -84,7 +89,7 @@ async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
         results.append(item)
     return {"id": str(uuid.uuid4()), "model": body.get("model", str) or "rerank", "results": results,
             "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}},
-            "usage": {"total_tokens": int(out.tokens.sum())}}
+            "usage": {"prompt_tokens": int(out.tokens.sum()), "total_tokens": int(out.tokens.sum())}}
 
 
 async def rerank_route(gw: Gateway, request: Request) -> dict[str, Any]:

@@ -95,8 +95,12 @@ class Gateway:
 
     async def body(self, request: Request, ids_field: str | None = None) -> Body:
         """The request's JSON body within --max-body-bytes (a large one parsed in a CPU worker,
-        its `ids_field` as TokenIds when it holds token ids)."""
-        return await read_body(request, self.opts.max_body_bytes, self.offload, ids_field)
+        its `ids_field` as TokenIds when it holds token ids), read once: a route that speaks
+        several APIs reads it to choose one (app.py), and the chosen handler gets the same."""
+        body = getattr(request.state, "body", None)
+        if body is None:
+            body = request.state.body = await read_body(request, self.opts.max_body_bytes, self.offload, ids_field)
+        return body
 
     async def catalog(self, max_age_s: float = 10.0) -> dict[str, ServedModel]:
         """The served models, looked up again when the last look is `max_age_s` old."""

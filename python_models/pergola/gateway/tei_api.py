@@ -1,5 +1,7 @@
 """text-embeddings-inference's API: `POST /embed`, `POST /rerank` (`texts`), `POST /predict`,
-`POST /tokenize`, `GET /info`, `GET /health`; errors as {"error", "error_type"}.
+`POST /similarity`, `POST /tokenize`, `POST /decode`, `POST /vertex`, `POST /` (by the body and
+the served model's task, as TEI routes it), `GET /info`, `GET /health` (and `/ping`, `GET /`);
+errors as {"error", "error_type"}.
 
     /embed   {"inputs": "..." or [...], "normalize": true, "truncate": null, "truncation_direction":
               "Right", "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
@@ -16,8 +18,16 @@
               CLS, L2-normalised); TEI answers a model's raw last hidden states here, pergola the
               vectors bge-m3 is scored with. Other models refuse both (400, naming what they give).
 
+    /similarity {"inputs": {"source_sentence", "sentences": [...]}, "parameters": {"truncate",
+              "truncation_direction", "prompt_name"}}  ->  [cosine of each sentence with the source]
+    /decode  {"ids": [id, ...] or [[id, ...], ...], "skip_special_tokens": true}  ->  ["text", ...]
+    /vertex  {"instances": [a /rerank body, or an /embed body (a /predict body for a classifier)]}
+             ->  {"predictions": [each one's answer]}
+
 `raw_scores: true` answers the logit (a cross-encoder's before its sigmoid, a Qwen3-Reranker's
 logit(yes) - logit(no)) instead of sigmoid(logit).
+
+`chunking` on /embed cuts long texts into windows (gateway/chunking.py).
 
 `truncate: true` cuts a text over the limit at its end (`truncation_direction: Right`) or its
 start (`Left`); `false` refuses it with TEI's 413; left out, the model's default (`--truncate`)
@@ -35,10 +45,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pergola.errors import RequestError, quote, read_strings
-from pergola.gateway import rerank_api, tokenizers
+from pergola.gateway import connections, rerank_api, tokenizers, vllm_api
 from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
-from pergola.gateway.errors import GatewayError
+from pergola.gateway.chunking import chunking_option, tei_chunked
+from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
 from pergola.gateway.offload import as_is
 from pergola.gateway.state import Gateway
@@ -87,12 +98,54 @@ async def embed(gw: Gateway, request: Request) -> Response:
     body, model, texts = await text_inputs(gw, request)
     opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.count("dimensions"),
                         normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
+    chunking = chunking_option(body)
+    if chunking is not None:  # long texts in windows (gateway/chunking.py)
+        return await tei_chunked(gw, body, model, texts, opts, chunking)
     try:
         out = await gw.backend.embed(model, texts, opts)
     except TooLong as e:
         raise _too_long(e, "inputs") from None
     return await answer(gw.offload, out.vectors.size, as_is, out.vectors,
                         headers={"x-total-tokens": str(int(out.tokens.sum()))})
+
+
+async def similarity(gw: Gateway, request: Request) -> JSONResponse:
+    """TEI's /similarity (huggingface_hub's sentence_similarity): the cosine of each sentence's
+    embedding with the source sentence's."""
+    body = await gw.body(request)
+    model = await gw.model(body.get("model", str), "embed")
+    inputs = body.get("inputs", dict, required=True)
+    source, sentences = inputs.get("source_sentence"), inputs.get("sentences")
+    if not isinstance(source, str) or not isinstance(sentences, list) or not all(isinstance(t, str) for t in sentences):
+        raise GatewayError(422, "`inputs` must be {\"source_sentence\": a string, \"sentences\": a list of strings}",
+                           "inputs")
+    if not sentences:
+        raise GatewayError(400, "`inputs.sentences` cannot be empty", "inputs")
+    parameters = Body(body.get("parameters", dict, {}))
+    texts = read_strings([source, *sentences], "inputs", "text", model.text_limits())
+    opts = EmbedOptions(prompt_name=parameters.get("prompt_name", str), normalize=True,
+                        truncate=_truncation(parameters, model))
+    try:
+        out = await gw.backend.embed(model, texts, opts)
+    except TooLong as e:
+        raise _too_long(e, "inputs") from None
+    return JSONResponse((out.vectors[1:] @ out.vectors[0]).tolist(), headers={"x-total-tokens": str(int(out.tokens.sum()))})
+
+
+async def decode(gw: Gateway, request: Request) -> list[str]:
+    """TEI's /decode: token-id lists as text (the served model's tokenizer)."""
+    body = await gw.body(request)
+    model = await gw.model(body.get("model", str), "embed")
+    ids = body.get("ids", list, required=True)
+    lists = ids if ids and all(isinstance(x, list) for x in ids) else [ids]
+    if not ids:
+        raise GatewayError(400, "`ids` cannot be empty", "ids")
+    if not all(type(i) is int and 0 <= i < 2**31 for x in lists for i in x):
+        raise GatewayError(422, "`ids` must be a list of token ids or a list of such lists", "ids")
+    if len(lists) > model.limit("max_texts"):
+        raise GatewayError(422, f"batch size {len(lists)} > maximum allowed batch size {model.limit('max_texts')}",
+                           "ids")
+    return await vllm_api.decode(gw, model, lists, body.get("skip_special_tokens", bool, True))
 
 
 async def _per_token(gw: Gateway, request: Request, output: str) -> tuple[PerToken, dict[str, str]]:
@@ -176,6 +229,48 @@ async def predict(gw: Gateway, request: Request) -> Any:
                         headers={"x-total-tokens": str(int(out.tokens.sum()))})
 
 
+def with_body(request: Request, body: Body) -> Request:
+    """`request` carrying `body` as its parsed body (gateway.body reads it): one /vertex instance."""
+    return Request({**request.scope, "state": {"body": body}})
+
+
+async def root_handler(gw: Gateway, request: Request) -> tuple[str, Any]:
+    """What TEI's `POST /` (and SageMaker's /invocations in TEI's form) runs for this body: a
+    rerank body ({"query", "texts"}) reranks, a similarity body ({"inputs": {"source_sentence",
+    ...}}) compares; otherwise the served model's task decides, as TEI routes `/` by its one
+    model: `embed` if there is one (or the body's `model`), else a classifier's /predict."""
+    body = await gw.body(request)
+    if "query" in body.data and "texts" in body.data:
+        return "rerank", lambda: tei_rerank(gw, body)
+    if isinstance(body.data.get("inputs"), dict):
+        return "similarity", lambda: similarity(gw, request)
+    catalog = await gw.catalog()
+    name = body.get("model", str)
+    task = catalog[name].task if name in catalog else "embed" if "embed" in catalog or not catalog else "classify"
+    if task == "rerank":
+        raise bad_request("this model reranks: send {\"query\", \"texts\"}", "texts")
+    return task, lambda: embed(gw, request) if task == "embed" else predict(gw, request)
+
+
+async def root(gw: Gateway, request: Request) -> Any:
+    _, run = await root_handler(gw, request)
+    return await run()
+
+
+async def vertex(gw: Gateway, request: Request) -> dict[str, Any]:
+    """TEI's /vertex (Vertex AI's prediction form): each instance answered as `POST /` would."""
+    body = await gw.body(request)
+    instances = body.get("instances", list, required=True)
+    if not instances or not all(isinstance(i, dict) for i in instances):
+        raise GatewayError(422, "`instances` must be a non-empty list of request bodies", "instances")
+
+    async def one(instance: dict) -> Any:
+        answer = await root(gw, with_body(request, Body(instance)))
+        return orjson.loads(answer.body) if isinstance(answer, Response) else answer
+
+    return {"predictions": [await one(instance) for instance in instances]}
+
+
 async def rerank_either(gw: Gateway, keys: Keys, request: Request) -> Response:
     """`/rerank` speaks TEI when the body has `texts`, Cohere/Jina when it has `documents` (the
     key is checked once the body says which envelope an error goes in)."""
@@ -219,11 +314,15 @@ def tokenize_here(model: ServedModel, folder: str, texts: list[str], prompt_name
     return tokens_json(tokens.input_ids, tokens.lengths, tokens.pieces, tokens.offsets)
 
 
-async def tokenize(gw: Gateway, request: Request) -> Response:
+async def tokenize(gw: Gateway, request: Request) -> Any:
     """TEI's /tokenize: each input's tokens as the served model's tokenizer makes them (its
     prompt first, untruncated): {id, text, special, start, stop}, offsets in characters. With the
     repository at hand a CPU worker tokenizes and renders (nothing of it on the event loop), else
-    NAME_tokenizer tokenizes. Over --max-tokenize-chars: 413 before any work."""
+    NAME_tokenizer tokenizes. Over --max-tokenize-chars: 413 before any work. A body with `prompt`
+    is vLLM's form (vllm_api.tokenize)."""
+    body = await gw.body(request)
+    if vllm_api.is_vllm_tokenize(body):
+        return await vllm_api.tokenize(gw, body)
     body, model, texts = await text_inputs(gw, request)
     chars, limit = sum(map(len, texts)), gw.opts.max_tokenize_chars
     if chars > limit:
@@ -244,7 +343,8 @@ async def tokenize(gw: Gateway, request: Request) -> Response:
 
 
 async def info(gw: Gateway, request: Request) -> dict[str, Any]:
-    """What TEI's /info says, for the default model of each task (or ?model=NAME)."""
+    """What TEI's /info says (its fields, TEI's meanings), for the default model of each task (or
+    ?model=NAME); pergola's own beside them (served_name, models, prompts, attention_backend)."""
     catalog = await gw.catalog()
     name = request.query_params.get("model") or next((n for n in ("embed", "rerank", "classify") if n in catalog),
                                                      None)
@@ -253,19 +353,31 @@ async def info(gw: Gateway, request: Request) -> dict[str, Any]:
                            else f"model {name!r} is not served here")
     model = catalog[name]
     settings = model.settings
+    labels = {"0": "score"} if model.task == "rerank" else {str(i): label for i, label in enumerate(model.labels)}
     kind = {"embed": {"embedding": {"pooling": settings.get("pooling") or "model default"}},
-            "rerank": {"reranker": {"id2label": {"0": "score"}}},
-            "classify": {"classifier": {"id2label": {str(i): label for i, label in enumerate(model.labels)}}},
+            "rerank": {"reranker": {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}},
+            "classify": {"classifier": {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}},
             }[model.task]
-    return {"model_id": model.target, "served_name": name, "model_type": kind,
-            "hub_id": settings.get("model_id"), "model_sha": settings.get("model_revision"),  # pergola.hub
-            "model_dtype": settings.get("dtype", "auto"),
+    return {"model_id": model.target, "model_sha": settings.get("model_revision"), "model_dtype": model.dtype,
+            "served_model_name": name, "model_type": kind,
+            "max_concurrent_requests": _max_concurrent(gw),
+            "max_input_length": model.max_input_length, "max_batch_tokens": model.step_tokens,
+            "max_batch_requests": model.limit("max_batch_seqs"),
             "max_client_batch_size": model.limit("max_documents" if model.task == "rerank" else "max_texts"),
-            "max_batch_tokens": settings.get("max_batch_tokens") or None,
+            "auto_truncate": bool(model.limit("truncate")), "tokenization_workers": model.tokenizer_instances,
+            "version": VERSION, "sha": None, "docker_label": None,
+            "served_name": name, "hub_id": settings.get("model_id"),  # pergola.hub
             "attention_backend": settings.get("attention_backend", "auto"),
             "prompts": {k: v for k, v in (("query", settings.get("query_prompt")),
                                           ("document", settings.get("document_prompt"))) if v},
-            "models": {n: m.task for n, m in catalog.items()}, "version": VERSION}
+            "models": {n: m.task for n, m in catalog.items()}}
+
+
+def _max_concurrent(gw: Gateway) -> int | None:
+    """Requests in flight at most: each gateway process holds --max-connections connections
+    (gateway/connections.py), each one request at a time; None where no limit was set up."""
+    limits = getattr(connections.GuardedProtocol, "limits", None)
+    return limits.max_connections * gw.opts.gateway_workers if limits is not None else None
 
 
 async def health(gw: Gateway, request: Request) -> Response:

@@ -35,9 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from pergola.classify import ClassifyTokenizer
 from pergola.config import EngineConfig
 from pergola.gateway.catalog import ServedModel
+from pergola.hf_folder import load_model_spec
 from pergola.rerank import RerankTokenizer
 from pergola.tokenization import TextTokenizer
 
@@ -129,6 +132,7 @@ def load(model: ServedModel, folder: Path) -> Tokenizer:
 
 
 _LOADED: dict[str, Tokenizer] = {}  # a CPU worker's tokenizers by folder (gateway/offload.py), oldest first
+_RAW: dict[str, HFTokenizer] = {}  # ... and its plain Hugging Face tokenizers (vLLM's /tokenize, /decode)
 MAX_LOADED = 8
 
 
@@ -139,3 +143,16 @@ def loaded(model: ServedModel, folder: str) -> Tokenizer:
             del _LOADED[next(iter(_LOADED))]
         _LOADED[folder] = load(model, Path(folder))
     return _LOADED[folder]
+
+
+def raw(folder: str) -> HFTokenizer:
+    """The plain Hugging Face tokenizer of the model files in `folder`, loaded once per process (in
+    a CPU worker: vLLM's /tokenize form, /decode): no prompt, no pergola limits."""
+    if folder not in _RAW:
+        if len(_RAW) >= MAX_LOADED:
+            del _RAW[next(iter(_RAW))]
+        tokenizer = HFTokenizer.from_file(str(load_model_spec(folder).tokenizer_file))
+        tokenizer.no_padding()  # (a tokenizer.json may pad or cut: as tokenization.TextTokenizer, neither)
+        tokenizer.no_truncation()
+        _RAW[folder] = tokenizer
+    return _RAW[folder]

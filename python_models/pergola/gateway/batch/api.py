@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import sqlite3
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -35,7 +36,6 @@ from pergola.gateway.batch.lines import URLS
 from pergola.gateway.batch.runner import Runner, window_seconds
 from pergola.gateway.batch.store import ACTIVE, Store, new_id, now
 from pergola.gateway.errors import GatewayError, bad_request
-from pergola.gateway.http import read_body
 from pergola.gateway.options import GatewayOptions
 
 FORM_SLACK = 64 << 10  # bytes of a multipart body besides the file (boundaries, part headers, purpose)
@@ -172,7 +172,9 @@ class BatchAPI:
     def runner(self) -> Runner:
         if self._runner is None:
             self._runner = Runner(self.store, self._gateway, self.opts)
-            self._task = asyncio.get_running_loop().create_task(self._runner.run())
+            # (a context of its own: started from a request, it would inherit that request's
+            # client watch, admission.watch_client, and trace, gateway/tracing.py)
+            self._task = asyncio.get_running_loop().create_task(self._runner.run(), context=contextvars.Context())
         return self._runner
 
     def routes(self, route: Callable[..., Route]) -> list[Route]:
@@ -262,7 +264,7 @@ class BatchAPI:
     # --- batches -----------------------------------------------------------------------------
 
     async def create(self, gw: Any, request: Request) -> dict[str, Any]:
-        body = await read_body(request, self.opts.max_body_bytes)
+        body = await gw.body(request)
         input_file_id = body.get("input_file_id", str, required=True)
         endpoint = body.get("endpoint", str, required=True)
         if endpoint not in URLS:

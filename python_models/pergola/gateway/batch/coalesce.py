@@ -15,20 +15,31 @@ call (one query per call), retried the same way.
 A call refused for load (429, 503) or past its deadline (504) is retried with backoff, never
 failed: the load passes, the job waits. A call refused for its input (400, 413) is run again
 line by line, so that only the line at fault gets the error, worded by its route.
+
+Admission (gateway/admission.py): a job's calls are weighed as any request's, against the same
+work in flight and measured throughput per model, so that online requests see a job's calls
+ahead of them and a job's calls see theirs; only the deadline is a job call's (job_admission).
+Its 429s are load that passes: retried as above. A call with nothing ahead of it is always
+admitted, so the job's own calls finishing is enough for the next to go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Hashable, TypeVar
 
+import numpy as np
+
 from pergola.errors import RequestError
+from pergola.gateway.admission import Admission
 from pergola.gateway.backend import Backend, EmbedOptions, Embedded, RerankOptions
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
+from pergola.gateway.offload import Offload, TokenIds
 
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")
@@ -49,6 +60,16 @@ async def retrying(call: Callable[[], Awaitable[T]]) -> T:
             log.info("batch job: a call was refused (%d: %s); retrying in %.2f s", e.status, e.message, delay)
         await asyncio.sleep(delay * (0.5 + random.random()))
         delay = min(2 * delay, MAX_BACKOFF_S)
+
+
+def job_admission(admission: Admission, timeout_s: float) -> Admission:
+    """The gateway's admission as a job's calls pass it: the same loads (work in flight, measured
+    throughput, characters per token) per model, judged against a job call's deadline `timeout_s`
+    (its 413, and the time Triton is told) instead of a request's: nobody waits on a job's call,
+    and one dropped at its deadline would be computed again."""
+    shared = Admission(timeout_s, admission.queue_bound_s)
+    shared.loads = admission.loads
+    return shared
 
 
 @dataclass
@@ -72,6 +93,16 @@ class _Group:
 
 def _sliced(out: Embedded, start: int, end: int) -> Embedded:
     return Embedded(out.vectors[start:end], out.tokens[start:end])
+
+
+def _rows(ids: TokenIds) -> list[np.ndarray]:
+    """Token ids as one [tokens] int64 array per input (views of ids.flat)."""
+    return [ids.flat[a:b] for a, b in itertools.pairwise(ids.offsets().tolist())]
+
+
+def _flat(rows: list[np.ndarray]) -> TokenIds:
+    """Inputs' token ids (of several lines) as one call's TokenIds."""
+    return TokenIds(np.concatenate(rows), np.fromiter(map(len, rows), dtype=np.int32, count=len(rows)))
 
 
 class Wave:
@@ -163,27 +194,32 @@ class LineBackend:
     def __init__(self, wave: Wave) -> None:
         self.wave = wave
         self.reached = False
+        self.tokens = 0  # what the line's last answer used (its route's `usage`: the job's input_tokens)
 
     def arrive(self) -> None:
         if not self.reached:
             self.reached = True
             self.wave.arrived()
 
-    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
-        return await self.wave.join(self, ("texts", model.name, model.version, opts), model, texts,
-                                    sum(map(len, texts)), lambda m, items: self.wave.backend.embed(m, items, opts),
-                                    _sliced)
+    def _used(self, out: T) -> T:
+        self.tokens = int(out.tokens.sum())  # type: ignore[attr-defined]
+        return out
 
-    async def embed_tokens(self, model: ServedModel, ids: list[list[int]], opts: EmbedOptions) -> Embedded:
-        # (a token id weighs as ~4 characters: what call_chars means for texts)
-        return await self.wave.join(self, ("ids", model.name, model.version, opts), model, ids,
-                                    4 * sum(map(len, ids)),
-                                    lambda m, items: self.wave.backend.embed_tokens(m, items, opts), _sliced)
+    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
+        return self._used(await self.wave.join(
+            self, ("texts", model.name, model.version, opts), model, texts, sum(map(len, texts)),
+            lambda m, items: self.wave.backend.embed(m, items, opts), _sliced))
+
+    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedOptions) -> Embedded:
+        # (an input's ids are one item; a token id weighs as ~4 characters: what call_chars means for texts)
+        return self._used(await self.wave.join(
+            self, ("ids", model.name, model.version, opts), model, _rows(ids), 4 * int(ids.flat.size),
+            lambda m, items: self.wave.backend.embed_tokens(m, _flat(items), opts), _sliced))
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
                      opts: RerankOptions = RerankOptions()) -> Any:
         self.arrive()
-        return await retrying(lambda: self.wave.backend.rerank(model, query, documents, opts))
+        return self._used(await retrying(lambda: self.wave.backend.rerank(model, query, documents, opts)))
 
     def __getattr__(self, name: str) -> Any:
         """Any other backend call (a route added to lines.URLS later), as it is."""
@@ -191,12 +227,25 @@ class LineBackend:
         return getattr(self.wave.backend, name)
 
 
-class LineGateway:
-    """The Gateway as one line's route handler sees it: the same models, options and catalog; its
-    backend the line's."""
+class WaitingOffload:
+    """gw.offload as a line's route sees it: a line's bulk CPU work (a large answer rendered) waits
+    for a CPU worker rather than being refused with 429, which would make the job run the whole
+    line, its backend call included, again. The job's concurrency bounds how many wait."""
 
-    def __init__(self, gateway: Any, backend: LineBackend) -> None:
-        self._gateway, self.backend = gateway, backend
+    def __init__(self, offload: Offload) -> None:
+        self._offload = offload
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await retrying(lambda: self._offload.run(fn, *args))
+
+
+class LineGateway:
+    """The Gateway as one line's route handler sees it: the same models, options, catalog and body
+    reading (gw.body: the route's checks, a large body parsed in a CPU worker); its backend the
+    line's, its CPU workers waited for (WaitingOffload)."""
+
+    def __init__(self, gateway: Any, backend: LineBackend, offload: WaitingOffload) -> None:
+        self._gateway, self.backend, self.offload = gateway, backend, offload
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._gateway, name)

@@ -30,15 +30,16 @@ from typing import Any, Iterator
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pergola.errors import RequestError
 from pergola.gateway import openai_api, rerank_api
 from pergola.gateway.backend import Backend
 from pergola.gateway.batch import lines
-from pergola.gateway.batch.coalesce import LineBackend, LineGateway, Wave, retrying
+from pergola.gateway.batch.coalesce import LineBackend, LineGateway, WaitingOffload, Wave, job_admission, retrying
 from pergola.gateway.batch.store import Store, new_id, now
 from pergola.gateway.errors import GatewayError
-from pergola.gateway.http import error_response
+from pergola.gateway.http import JSONResponse, error_response
 from pergola.gateway.options import GatewayOptions
 
 log = logging.getLogger("pergola.gateway")
@@ -245,10 +246,11 @@ class Job:
         """(line, HTTP status, the route's JSON answer, tokens used) for one line."""
         backend = LineBackend(wave)
         try:
-            result = await retrying(lambda: HANDLERS[line.url](LineGateway(self.runner.gateway, backend),
-                                                               line_request(line)))
-            status, body = 200, orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY)
-            tokens = int(result.get("usage", {}).get("total_tokens", 0))
+            gateway = LineGateway(self.runner.gateway, backend, self.runner.offload)
+            result = await retrying(lambda: HANDLERS[line.url](gateway, line_request(line)))
+            # (as gateway/http.py's endpoint answers: a route's Response, or its content as JSON)
+            response = result if isinstance(result, Response) else JSONResponse(result)
+            status, body, tokens = response.status_code, bytes(response.body), backend.tokens
         except (GatewayError, RequestError) as e:
             response = error_response(e, lines.URLS[line.url])
             status, body, tokens = response.status_code, bytes(response.body), 0
@@ -308,10 +310,13 @@ class Runner:
         # The gateway's backend (a copy: the same replicas, tokenizers and keys) with calls cut
         # only at call_chars (a wave's calls are already within the model's limits: large calls,
         # the bulk lane, gateway/batch/coalesce.py), and a deadline of JOB_TIMEOUTS times the
-        # requests' (nobody waits on a job's call; one dropped at its deadline would be redone).
+        # requests' (nobody waits on a job's call; one dropped at its deadline would be redone),
+        # admitted against the same work in flight as every request (coalesce.job_admission).
         self.backend: Backend = copy.copy(gateway.backend)
         self.backend.chunk_texts, self.backend.chunk_chars = 1 << 30, opts.batch_call_chars
         self.backend.timeout_s = JOB_TIMEOUTS * opts.request_timeout_s
+        self.backend.admission = job_admission(gateway.backend.admission, self.backend.timeout_s)
+        self.offload = WaitingOffload(gateway.offload)
         self.jobs: dict[str, Job] = {}  # batch id -> the job this process drives
         self._wake = asyncio.Event()
 
