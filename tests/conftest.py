@@ -7,10 +7,14 @@ on the GPU machine); the default is the CPU.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -89,9 +93,26 @@ def describe_processes(pids: list[int]) -> str:
     return "\n".join(lines)
 
 
+# How a test (or a fixture it uses) starts a real tritonserver: the tier it is in follows from it
+STARTS_SERVER = re.compile(r"\bstart_serve\(|\"pergola\.cli\", \"serve\"|\bwait_ready\(")
+
+
+@functools.cache
+def starts_server(function: Callable) -> bool:
+    try:
+        return bool(STARTS_SERVER.search(inspect.getsource(function)))
+    except (OSError, TypeError):
+        return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    for item in items:  # marked `server` (pyproject.toml's tiers) when it or a fixture it uses starts one
+        info = getattr(item, "_fixtureinfo", None)
+        fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+        if any(starts_server(f) for f in [getattr(item, "function", None), *fixtures] if f is not None):
+            item.add_marker(pytest.mark.server)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")

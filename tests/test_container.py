@@ -36,7 +36,7 @@ COMPOSE = ROOT / "deploy" / "docker-compose.yml"
 START_S = 300  # a container's start on a busy 2-core host: tritonserver, two stubs, torch imports
 HOLDER = "/path/to/hf-model"  # the README's placeholder for a model folder
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.container]
 
 
 def unavailable(reason: str) -> None:

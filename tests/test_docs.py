@@ -16,8 +16,8 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from doc_examples import NOT_RUN, PAGES, ROOT, RUN, Ports, Ran, examples, run_examples

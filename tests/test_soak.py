@@ -8,9 +8,12 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import soak  # noqa: E402
 
+pytestmark = [pytest.mark.server, pytest.mark.soak]
 MINUTES = float(os.environ.get("PERGOLA_SOAK_MINUTES", "10"))
 MAX_GROWTH_MB = 100  # Triton's own L0_memory_growth bound
 
