@@ -226,4 +226,5 @@ def test_vllm_classify(gateway, folders):
     assert status == 400 and "classify model" in err["error"]
     with urllib.request.urlopen(f"{base}/info?model=topics", timeout=30) as r:
         info = json.loads(r.read())
-    assert info["model_type"] == {"classifier": {"id2label": {str(i): label for i, label in enumerate(TOPICS)}}}
+    assert info["model_type"] == {"classifier": {"id2label": {str(i): label for i, label in enumerate(TOPICS)},
+                                                 "label2id": {label: i for i, label in enumerate(TOPICS)}}}  # TEI's
