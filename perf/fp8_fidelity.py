@@ -41,10 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder  # noqa: E402
 
-from pergola.config import EngineConfig  # noqa: E402
+from pergola.config.engine import EngineConfig  # noqa: E402
 from pergola.engine import EncodeRequest, Engine  # noqa: E402
-from pergola.pooling import finish  # noqa: E402
-from pergola.tokenization import TextTokenizer  # noqa: E402
+from pergola.outputs.pooling import finish  # noqa: E402
+from pergola.text.tokenization import TextTokenizer  # noqa: E402
 
 
 def corpus(max_passages: int, query_every: int = 5) -> tuple[list[str], list[str]]:

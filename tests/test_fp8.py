@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from triton_interp import run_in_interpreter
 
 from conftest import BF16_ATOL, TEXTS, cosine_rows, qwen3_folders_or_skip
-from pergola import config
-from pergola.config import EngineConfig
+from pergola.config.engine import engine as config
+from pergola.config.engine import EngineConfig
 from pergola.layers import fp8
 from pergola.layers.fp8 import (FP8, FP8_MAX, QuantizationUnsupported, check_supported, dequantize, fp8_linear,
                                 quantize_layers, quantize_rows_ref, quantize_weight)
@@ -153,7 +153,7 @@ def test_projections_switch_to_fp8_in_place():
 def test_only_the_transformer_layers_are_quantized(rerank_folders):
     """A BERT cross-encoder: the encoder layers' projections go FP8; embeddings, norms, the pooler
     and the classifier keep the model dtype."""
-    from pergola.hf_folder import load_model_spec
+    from pergola.config.hf_folder import load_model_spec
     from pergola.models import build_model
 
     spec = load_model_spec(rerank_folders["cross-encoder"])
@@ -168,7 +168,7 @@ def test_only_the_transformer_layers_are_quantized(rerank_folders):
 def test_the_first_and_last_layers_can_keep_bf16(rerank_folders):
     """The first and the last `bf16_layers` layers keep BF16 (on this cross-encoder's few layers;
     MiniLM's 6 are checked in the end-to-end test below)."""
-    from pergola.hf_folder import load_model_spec
+    from pergola.config.hf_folder import load_model_spec
     from pergola.models import build_model
 
     spec = load_model_spec(rerank_folders["cross-encoder"])
@@ -190,8 +190,8 @@ def test_minilm_with_fp8_layers_matches_sentence_transformers_on_the_cpu(minilm_
     this test holds 0.99 and perf/fp8_fidelity.py reports the figure on the GPU."""
     import pergola.models
     from pergola.engine import EncodeRequest, Engine
-    from pergola.pooling import finish
-    from pergola.tokenization import TextTokenizer
+    from pergola.outputs.pooling import finish
+    from pergola.text.tokenization import TextTokenizer
 
     monkeypatch.setattr(pergola.models, "check_supported", lambda device, dtype: None)
     engine = Engine(EngineConfig(model_dir=str(minilm_folder), device="cpu", dtype="bfloat16", quantization="fp8"))
@@ -259,8 +259,8 @@ def test_fp8_matmul_on_gpu_matches_the_cpu():
 
 def gpu_embed(engine, texts: list[str]) -> np.ndarray:
     from pergola.engine import EncodeRequest
-    from pergola.pooling import finish
-    from pergola.tokenization import TextTokenizer
+    from pergola.outputs.pooling import finish
+    from pergola.text.tokenization import TextTokenizer
 
     enc = TextTokenizer(engine.spec).encode(texts)
     return finish(engine.encode([EncodeRequest(enc.input_ids, enc.lengths)])[0], 0, engine.spec.normalize)

@@ -1,5 +1,5 @@
 """Each option declared once: flags, environment variables, config.pbtxt parameters and the
-README's table all come from the dataclass fields (pergola.options)."""
+README's table all come from the dataclass fields (pergola.config.options)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from pergola.cli import SERVE_SETS, BuildOptions, options_markdown
-from pergola.config import EngineConfig, TritonModelOptions
+from pergola.config.engine import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
-from pergola.options import declared, env_name, flag_name, value_type
-from pergola.server import ServerOptions
+from pergola.config.options import declared, env_name, flag_name, value_type
+from pergola.triton.server import ServerOptions
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CLASSES = [BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import cosine_rows
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import EncodeLoop, Job
 from pergola.engine.scheduler import LaneQueue
@@ -299,7 +299,7 @@ def test_graphs_are_captured_for_the_sms_they_will_run_on_whatever_margin_querie
     """A captured graph replays the kernels chosen at capture for good: the SM margin the loop
     leaves to queries at that moment must not be recorded into it (cudagraph.sm_carveout(None)),
     while a green context's lane records the carveout of its own SMs."""
-    from pergola.cudagraph import sm_carveout
+    from pergola.layers.cudagraph import sm_carveout
 
     torch._C._set_sm_carveout_experimental(16)
     try:

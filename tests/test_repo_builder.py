@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from pergola.repo_builder import build_repository, entry_from_folder
+from pergola.triton.repo_builder import build_repository, entry_from_folder
 
 
 def encoder_groups(repo: Path, name: str) -> list[model_config_pb2.ModelInstanceGroup]:

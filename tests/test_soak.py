@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import soak  # noqa: E402
+import soak
 
 MINUTES = float(os.environ.get("PERGOLA_SOAK_MINUTES", "10"))
 MAX_GROWTH_MB = 100  # Triton's own L0_memory_growth bound

@@ -5,8 +5,8 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.classify import ClassifyTokenizer
-from pergola.triton_io import (RequestInputs, TokenizerAdapter, classify_options, error_response, read_truncation,
+from pergola.text.classify import ClassifyTokenizer
+from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, classify_options, error_response, read_truncation,
                                required_strings)
 
 

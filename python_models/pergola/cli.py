@@ -1,6 +1,6 @@
 """`pergola` command line: build-repo, serve, embed, rerank, batch, add-version, options.
 
-Every serving option is declared once (pergola.options) and is also an environment variable
+Every serving option is declared once (pergola.config.options) and is also an environment variable
 (PERGOLA_<OPTION>), as in TEI.
 """
 
@@ -16,13 +16,13 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from pergola import batch_cli
-from pergola.admin import ADMIN_HEADER
-from pergola.config import EngineConfig, TritonModelOptions
+from pergola.triton.admin import ADMIN_HEADER
+from pergola.config.engine import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
-from pergola.options import add_arguments, markdown_table, option, values_from
-from pergola.server import ServerOptions
+from pergola.config.options import add_arguments, markdown_table, option, values_from
+from pergola.triton.server import ServerOptions
 from pergola_client import ENCODINGS
-from pergola.tokenization import TRUNCATE_MODES
+from pergola.text.tokenization import TRUNCATE_MODES
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 # Gateway options `pergola serve` sets itself: its own Triton server, admin token file, HTTP and metrics ports.
@@ -114,9 +114,9 @@ def _use_gpu(device: str) -> bool:
 
 def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
     """Write the repository; `lock` is the caller's RepoLock on it (taken here when None)."""
-    from pergola.hub import resolve
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import RepoLock, ServerError
+    from pergola.config.hub import resolve
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import RepoLock, ServerError
 
     if lock is None:
         try:
@@ -145,10 +145,10 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from pergola.admin import AdminError, default_token_file, read_token, write_token
+    from pergola.triton.admin import AdminError, default_token_file, read_token, write_token
     from pergola.gateway.app import watch
     from pergola.gateway.connections import preflight
-    from pergola.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
+    from pergola.triton.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
 
     bind = triton_address(args)
     try:
@@ -195,7 +195,7 @@ def triton_address(args: argparse.Namespace) -> str:
     command line, which every user of the host can read (`ps`), so an address other hosts reach
     is refused when keys are set, rather than served open or with the key in the process list."""
     from pergola.gateway.state import api_keys
-    from pergola.server import LOOPBACK, is_loopback
+    from pergola.triton.server import LOOPBACK, is_loopback
 
     address = args.bind or (LOOPBACK if args.gateway_port else "0.0.0.0")
     if not is_loopback(address) and api_keys(GatewayOptions(**values_from(args, GatewayOptions))):
@@ -243,8 +243,8 @@ def embed(args: argparse.Namespace) -> None:
 
 def add_version(args: argparse.Namespace) -> None:
     """New version of a served model, loaded through the repository API when --url is given."""
-    from pergola.admin import AdminError, RepositoryClient, default_token_file, read_token
-    from pergola.repo_builder import add_version as add
+    from pergola.triton.admin import AdminError, RepositoryClient, default_token_file, read_token
+    from pergola.triton.repo_builder import add_version as add
 
     try:
         api = RepositoryClient(args.url, read_token(args.admin_token_file or default_token_file(args.repo))) \
@@ -260,7 +260,7 @@ def add_version(args: argparse.Namespace) -> None:
 
 def download(args: argparse.Namespace) -> None:
     """Fill the Hugging Face cache with what `--model ID` serves (image builds, offline hosts)."""
-    from pergola.hub import download as fetch
+    from pergola.config.hub import download as fetch
 
     for value in args.model_id:
         source = fetch(value)

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.errors import RequestError
-from pergola.rerank import RerankTokenizer
-from pergola.triton_io import (RequestInputs, TokenizerAdapter, error_response, optional_count, optional_single,
+from pergola.text.errors import RequestError
+from pergola.text.rerank import RerankTokenizer
+from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, error_response, optional_count, optional_single,
                                read_truncation, required_strings, rerank_options)
 
 

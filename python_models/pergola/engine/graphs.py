@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from pergola.cudagraph import capture
+from pergola.layers.cudagraph import capture
 
 log = logging.getLogger("pergola.graphs")
 

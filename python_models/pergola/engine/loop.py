@@ -37,7 +37,7 @@ import torch
 from pergola.engine import EncodeRequest, Engine, file_rows
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.scheduler import LaneQueue, Step
-from pergola.memory import HeapTrimmer
+from pergola.triton.memory import HeapTrimmer
 
 log = logging.getLogger("pergola.engine")
 
@@ -79,7 +79,7 @@ class Job:
     fail: Callable[[BaseException], None]
     cancelled: Callable[[], bool] = lambda: False
     deadline: float | None = None  # time.monotonic() after which the client no longer waits
-    admitted: bool = False  # the gateway admitted it (pergola.triton_io.admitted): only its deadline refuses it
+    admitted: bool = False  # the gateway admitted it (pergola.triton.adapter.admitted): only its deadline refuses it
     result: np.ndarray = field(init=False)
     rows_left: int = field(init=False)
     checked_at: float = 0.0
@@ -153,7 +153,7 @@ class EncodeLoop:
         self._stopping = False
         self._busy_since = time.perf_counter()
         # Host memory freed by steps of varying shapes is given back every few seconds of work
-        # and when the queue runs dry (pergola/memory.py); a token counts as 4 KB of churn.
+        # and when the queue runs dry (pergola/triton/memory.py); a token counts as 4 KB of churn.
         self._trimmer = HeapTrimmer(every_bytes=256 << 20, every_s=10.0)
         self._measure()
         if cfg.query_tokens:
@@ -203,7 +203,7 @@ class EncodeLoop:
 
     def _admit(self, job: Job, tokens: int) -> None:
         """Refuse a request whose wait would pass max_queue_seconds (unless the gateway admitted
-        it: pergola.triton_io.admitted) or its own deadline. Its wait is the work that runs
+        it: pergola.triton.adapter.admitted) or its own deadline. Its wait is the work that runs
         before it (least work first): a query is not refused because bulk work is queued, only
         if it could not be served in time itself."""
         rate, ahead = self.throughput.tokens_per_s, self._queue.work_ahead(tokens)
@@ -223,7 +223,7 @@ class EncodeLoop:
         so that admission works from the first request of a flood. On the CPU, quarter steps: a
         step's tokens per second hardly depend on its size there (MiniLM, one thread: 680-1,040
         tokens/s at 256 and 1,024 tokens), and the two full steps took 2.3 s of every start and of
-        every reload after a crash (pergola/supervisor.py), 4-5 s on a busy 2-core host."""
+        every reload after a crash (pergola/triton/supervisor.py), 4-5 s on a busy 2-core host."""
         budget, length = self.engine.cfg.step_tokens, min(128, self.engine.spec.max_seq_length)
         if self.engine.device.type != "cuda":
             budget = max(length, budget // 4)

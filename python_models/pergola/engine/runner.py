@@ -19,18 +19,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pergola.config import DTYPES, EngineConfig
+from pergola.config.engine import DTYPES, EngineConfig
 from pergola.engine.graphs import GraphCache
 from pergola.engine.green import SmSplit, split_sms
 from pergola.engine.lazy import LazyTensor
-from pergola.heads import HEAD_TASKS
-from pergola.hf_folder import ModelSpec
+from pergola.outputs.heads import HEAD_TASKS
+from pergola.config.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for
 from pergola.models import build_model
-from pergola.pooling import TokenHeads, pool
+from pergola.outputs.pooling import TokenHeads, pool
 
 log = logging.getLogger("pergola.runner")
 
@@ -333,7 +333,7 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
 
     def _with_segments(self, b: BatchInputs, segments: np.ndarray | None) -> BatchInputs:
-        """`b` with late chunking's atoms ([T] int64, -1: none; pergola.chunking), when the step has any."""
+        """`b` with late chunking's atoms ([T] int64, -1: none; pergola.text.chunking), when the step has any."""
         if segments is None:
             return b
         count = int(segments.max()) + 1

@@ -33,7 +33,7 @@ from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Body, Keys, dispatch, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
-from pergola.options import from_environment, to_environment
+from pergola.config.options import from_environment, to_environment
 
 GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
 
@@ -148,7 +148,7 @@ def create_app() -> Starlette:
 
 def spawn(opts: GatewayOptions) -> subprocess.Popen:
     """`pergola gateway` as a child process that ends with its parent (`pergola serve`)."""
-    from pergola.server import popen_tied
+    from pergola.triton.server import popen_tied
 
     env = dict(os.environ) | to_environment(opts)
     return popen_tied([sys.executable, "-m", "pergola.cli", "gateway"], env=env)

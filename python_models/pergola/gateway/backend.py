@@ -28,10 +28,10 @@ import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import np_to_triton_dtype
 
-from pergola.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
-from pergola.classify import ClassifyTokenizer
-from pergola.encodings import check_encoding, quantize
-from pergola.errors import RequestError
+from pergola.triton.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
+from pergola.text.classify import ClassifyTokenizer
+from pergola.text.encodings import check_encoding, quantize
+from pergola.text.errors import RequestError
 from pergola.gateway.admission import Admission, Ticket, lengths, refused_later, watch_client
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
@@ -41,10 +41,10 @@ from pergola.gateway.replicas import Replica, ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
 from pergola.gateway.triton_http import Tensor
-from pergola.rerank import RerankTokenizer
-from pergola.token_outputs import TOKEN_OUTPUT_TYPES
-from pergola.tokenization import Chunks, Encoded, TextTokenizer, check_windows
-from pergola.triton_io import ADMITTED
+from pergola.text.rerank import RerankTokenizer
+from pergola.outputs.token_outputs import TOKEN_OUTPUT_TYPES
+from pergola.text.tokenization import Chunks, Encoded, TextTokenizer, check_windows
+from pergola.triton.adapter import ADMITTED
 
 # A call of more tokens than this goes over gRPC, cancellable (module docstring): about one forward
 # step on a CPU (1,024 tokens, ~0.3 s), under a millisecond on a GPU: what is lost if it runs anyway.
@@ -70,7 +70,7 @@ class EmbedOptions:
 
 @dataclass(frozen=True)
 class Chunking:
-    """A request's `chunking` (docs/long-documents.md, pergola.chunking): windows of `tokens` text
+    """A request's `chunking` (docs/long-documents.md, pergola.text.chunking): windows of `tokens` text
     tokens (None: the most the model takes), neighbours sharing `overlap`, pooled `each` (a vector
     per window), `mean` (one per input) or `late` (a vector per window from the text's one encoding)."""
 
@@ -109,7 +109,7 @@ class Embedded:
 
 @dataclass
 class PerToken:
-    """bge-m3's per-token outputs of each text (pergola.token_outputs), in input order."""
+    """bge-m3's per-token outputs of each text (pergola.outputs.token_outputs), in input order."""
 
     sparse: list[tuple[np.ndarray, np.ndarray]]  # (token ids ascending, their weights) per text, when asked
     colbert: list[np.ndarray]  # [tokens - 1, dim] fp32 per text (every token but CLS), when asked
@@ -121,7 +121,7 @@ def _split(values: list[np.ndarray], offsets: np.ndarray) -> list[list[np.ndarra
     return [[v[a:b] for v in values] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
-# bge-m3's per-token outputs (pergola.token_outputs) and, from the ensemble, each text's tokens
+# bge-m3's per-token outputs (pergola.outputs.token_outputs) and, from the ensemble, each text's tokens
 _PER_TOKEN = [*TOKEN_OUTPUT_TYPES, "TOKEN_COUNT"]
 
 
@@ -355,7 +355,7 @@ class Backend:
             raise GatewayError(504, f"the request's time ran out (--request-timeout-s {self.timeout_s:g}) "
                                     "before all of it was answered")
 
-        parameters = {ADMITTED: True} if work is not None else None  # (pergola.triton_io.ADMITTED)
+        parameters = {ADMITTED: True} if work is not None else None  # (pergola.triton.adapter.ADMITTED)
 
         async def call(replica: Replica):
             if replica.http is not None and not cancellable:
@@ -433,7 +433,7 @@ class Backend:
 
     async def embed_chunks(self, model: ServedModel, texts: list[str], opts: EmbedOptions, chunking: Chunking,
                            field: str = "input") -> ChunkedEmbedded:
-        """`texts` cut into windows and embedded (pergola.chunking). Cut where they would be
+        """`texts` cut into windows and embedded (pergola.text.chunking). Cut where they would be
         tokenized: here when the request is short and the gateway has the served version's files
         (TextTokenizer.chunk, on a tokenizing thread), else by NAME_tokenizer (CHUNK_SIZE) in chunks
         of texts spread over the replicas, as any long request's tokenizing is, off the gateway's

@@ -2,7 +2,7 @@
 
 A served name is an ensemble of the repository (`embed`, `rerank`, `classify`, or a model's own name);
 its first step names the model's parts (NAME_tokenizer, NAME_encoder), and the encoder's
-config.pbtxt parameters carry the model's settings (pergola.config.EngineConfig: limits,
+config.pbtxt parameters carry the model's settings (pergola.config.engine.EngineConfig: limits,
 dtype, pooling, kernels). With the admin token the repository index lists every ensemble;
 without it the gateway looks for `embed`, `rerank`, `classify` and the names it was given.
 """
@@ -17,13 +17,13 @@ from typing import Any
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from pergola.admin import GRPC_ADMIN_HEADER
-from pergola.chunking import ChunkLimits
-from pergola.config import EngineConfig
-from pergola.errors import StringLimits
+from pergola.triton.admin import GRPC_ADMIN_HEADER
+from pergola.text.chunking import ChunkLimits
+from pergola.config.engine import EngineConfig
+from pergola.text.errors import StringLimits
 from pergola.gateway.replicas import CONTROL_TIMEOUT_S
-from pergola.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER
-from pergola.options import convert
+from pergola.outputs.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER
+from pergola.config.options import convert
 
 log = logging.getLogger("pergola.gateway")
 ALIASES = ("embed", "rerank", "classify")

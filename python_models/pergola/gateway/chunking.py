@@ -1,5 +1,5 @@
 """`chunking` on `POST /v1/embeddings` and TEI's `POST /embed`: long texts embedded in windows, in
-one request (docs/long-documents.md; the windows: pergola.chunking).
+one request (docs/long-documents.md; the windows: pergola.text.chunking).
 
     "chunking": {"tokens": 256, "overlap": 32, "pooling": "each" | "mean" | "late"}
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 from starlette.responses import Response
 
-from pergola.errors import quote, read_strings
+from pergola.text.errors import quote, read_strings
 from pergola.gateway.backend import ChunkedEmbedded, Chunking, EmbedOptions
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request

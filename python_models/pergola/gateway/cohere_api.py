@@ -11,7 +11,7 @@ v1 without `embedding_types` answers {"response_type": "embeddings_floats", "emb
 [[...]], ...}, as Cohere does. `input_type` search_query takes the model's query prompt,
 search_document its document prompt (where the model has them: Cohere's SDK always sends one);
 classification and clustering none. The types come from one
-float32 call, quantized here as the encoder does (pergola.encodings): int8 is round(127 x) of the
+float32 call, quantized here as the encoder does (pergola.text.encodings): int8 is round(127 x) of the
 unit vector, uint8 int8 + 128, ubinary the sign bits (8 dimensions a byte, first in the high bit),
 binary ubinary - 128, base64 the float32 bytes (little-endian) of each row. Images, `inputs`
 with image parts and a priority other than 0 are refused with 400 naming the field.
@@ -27,8 +27,8 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.encodings import INT8_SCALE, quantize
-from pergola.errors import quote, read_strings
+from pergola.text.encodings import INT8_SCALE, quantize
+from pergola.text.errors import quote, read_strings
 from pergola.gateway.backend import EmbedOptions, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request

@@ -22,7 +22,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError, quote, read_strings
+from pergola.text.errors import RequestError, quote, read_strings
 from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
 from pergola.gateway.chunking import chunking_option, openai_chunked
 from pergola.gateway.errors import GatewayError, bad_request
@@ -30,7 +30,7 @@ from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
 from pergola.gateway.vllm_api import Pooling, sys_order
-from pergola.tokenization import truncate_mode
+from pergola.text.tokenization import truncate_mode
 
 _SAME = lambda codes: codes  # noqa: E731
 # embedding_type -> (Triton ENCODING, codes -> the values sent)

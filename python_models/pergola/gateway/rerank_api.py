@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.errors import StringLimits, read_strings
+from pergola.text.errors import StringLimits, read_strings
 from pergola.gateway.backend import Reranked, RerankOptions, TooLong
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body

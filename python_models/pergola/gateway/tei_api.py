@@ -44,7 +44,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError, quote, read_strings
+from pergola.text.errors import RequestError, quote, read_strings
 from pergola.gateway import connections, rerank_api, tokenizers, vllm_api
 from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
@@ -53,8 +53,8 @@ from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
 from pergola.gateway.offload import as_is
 from pergola.gateway.state import Gateway
-from pergola.hf_folder import ModelFolderError
-from pergola.token_outputs import check_outputs
+from pergola.config.hf_folder import ModelFolderError
+from pergola.outputs.token_outputs import check_outputs
 
 log = logging.getLogger("pergola.gateway")
 VERSION = "pergola-gateway"
@@ -366,7 +366,7 @@ async def info(gw: Gateway, request: Request) -> dict[str, Any]:
             "max_client_batch_size": model.limit("max_documents" if model.task == "rerank" else "max_texts"),
             "auto_truncate": bool(model.limit("truncate")), "tokenization_workers": model.tokenizer_instances,
             "version": VERSION, "sha": None, "docker_label": None,
-            "served_name": name, "hub_id": settings.get("model_id"),  # pergola.hub
+            "served_name": name, "hub_id": settings.get("model_id"),  # pergola.config.hub
             "attention_backend": settings.get("attention_backend", "auto"),
             "prompts": {k: v for k, v in (("query", settings.get("query_prompt")),
                                           ("document", settings.get("document_prompt"))) if v},

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.errors import quote, read_strings
+from pergola.text.errors import quote, read_strings
 from pergola.gateway import tokenizers
 from pergola.gateway.backend import EmbedOptions, RerankOptions
 from pergola.gateway.catalog import ServedModel

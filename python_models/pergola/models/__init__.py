@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pergola.hf_folder import ModelFolderError, ModelSpec
+from pergola.config.hf_folder import ModelFolderError, ModelSpec
 from pergola.layers.fp8 import check_supported, quantize_layers
 from pergola.layers.linear import TileTable, default_weight_loader, select_tiles
-from pergola.pooling import attach_dense
-from pergola.rerank import answer_ids, yes_no_head
+from pergola.outputs.pooling import attach_dense
+from pergola.text.rerank import answer_ids, yes_no_head
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _no_random_init() -> Iterator[None]:
     Why: on the meta device nn.Embedding's normal_ runs as a Python reference whose first call
     imports torch._dynamo, 3.4 s of a MiniLM encoder's 3.7 s build on the 2-core CPU host (7.4 of
     8.2 s while that host was busy), paid at every stub start and every per-model recovery
-    (pergola/supervisor.py). Not thread-safe: it swaps torch.nn.init's functions while it runs."""
+    (pergola/triton/supervisor.py). Not thread-safe: it swaps torch.nn.init's functions while it runs."""
     names = [n for n in vars(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
     saved = {n: getattr(nn.init, n) for n in names}
     for name in names:

@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable, Hashable, TypeVar
 
 import numpy as np
 
-from pergola.errors import RequestError
+from pergola.text.errors import RequestError
 from pergola.gateway.admission import Admission
 from pergola.gateway.backend import Backend, EmbedOptions, Embedded, RerankOptions
 from pergola.gateway.catalog import ServedModel

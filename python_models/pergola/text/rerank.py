@@ -45,10 +45,10 @@ from typing import Literal, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.config import EngineConfig
-from pergola.errors import RequestError, StringLimits, read_strings
-from pergola.hf_folder import ModelFolderError, ModelSpec, sequence_classification
-from pergola.tokenization import Template, cut, truncate_mode, window
+from pergola.config.engine import EngineConfig
+from pergola.text.errors import RequestError, StringLimits, read_strings
+from pergola.config.hf_folder import ModelFolderError, ModelSpec, sequence_classification
+from pergola.text.tokenization import Template, cut, truncate_mode, window
 
 RerankKind = Literal["cross-encoder", "qwen3-reranker", "mxbai-rerank-v2"]
 RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker", "mxbai-rerank-v2")
@@ -155,7 +155,7 @@ class RerankEncoded:
 class RerankTokenizer:
     """Turns one rerank request (a query and its documents) into flat token ids.
 
-    Documents are tokenized without special tokens, cut in numpy (`pergola.tokenization.cut`:
+    Documents are tokenized without special tokens, cut in numpy (`pergola.text.tokenization.cut`:
     END keeps a document's start, START its end; the query and a Qwen3 instruction are never
     cut) and wrapped as the tokenizer's post-processor does (`Template`), so the ids equal
     Hugging Face's truncation "only_second" (cross-encoder) or the official reference's.

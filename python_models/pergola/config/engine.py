@@ -7,10 +7,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pergola.chunking import ChunkLimits
-from pergola.errors import StringLimits
-from pergola.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
-from pergola.options import convert, option
+from pergola.text.chunking import ChunkLimits
+from pergola.text.errors import StringLimits
+from pergola.config.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
+from pergola.config.options import convert, option
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The names of pergola.layers.attention.BACKENDS, spelled out because this module must import
@@ -26,10 +26,10 @@ CUDA_GRAPH_MAX_TOKENS = 4096
 @dataclass
 class EngineConfig:
     """Serving settings of one model: every field is a config.pbtxt parameter of the same name,
-    and (unless cli=False) a `pergola serve` flag and a PERGOLA_<NAME> variable (pergola.options)."""
+    and (unless cli=False) a `pergola serve` flag and a PERGOLA_<NAME> variable (pergola.config.options)."""
 
     model_dir: str = option(MISSING, "Hugging Face folder (weights, tokenizer, sentence-transformers files)", cli=False)
-    model_id: str | None = option(None, "the Hub id the folder is a snapshot of (ORG/NAME; pergola.hub)", cli=False)
+    model_id: str | None = option(None, "the Hub id the folder is a snapshot of (ORG/NAME; pergola.config.hub)", cli=False)
     model_revision: str | None = option(None, "the commit of model_id that the snapshot holds", cli=False)
     device: str = option("cpu", "cpu or cuda:N; the Triton instance decides", cli=False)
     dtype: str = option("auto", "compute dtype; auto: bfloat16 on a GPU, float32 on the CPU",

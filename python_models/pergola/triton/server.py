@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pergola.admin import redact, restricted_api_flags
-from pergola.options import option
+from pergola.triton.admin import redact, restricted_api_flags
+from pergola.config.options import option
 
 
 def cache_dir() -> Path:
@@ -116,7 +116,7 @@ def is_loopback(address: str) -> bool:
 
 @dataclass
 class ServerOptions:
-    """How tritonserver runs; the declared options are `pergola serve` flags (pergola.options)."""
+    """How tritonserver runs; the declared options are `pergola serve` flags (pergola.config.options)."""
 
     repo: Path
     http_port: int = option(8000, "HTTP port (Triton's KServe v2 REST API)")
@@ -147,7 +147,7 @@ class ServerOptions:
                                           "a minute on a host that overcommits; 0: half of this host's (or container's) memory; "
                                           "negative: no limit")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
-    # token (pergola.admin); a fresh random one unless the caller has one to share.
+    # token (pergola.triton.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     extra: list[str] = field(default_factory=list)
 
@@ -307,7 +307,7 @@ class RepoLock:
 def _stop_now(proc: subprocess.Popen, repo: Path, grace_s: float = 1.0) -> None:
     """End a broken server: SIGTERM, SIGKILL after `grace_s` (a dead stub can hold Triton's
     shutdown for its whole exit timeout), then its remaining stubs."""
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     proc.terminate()
     try:
@@ -365,7 +365,7 @@ def _forward_output(proc: subprocess.Popen) -> ServerOutput:
 
 def _wait_exit(proc: subprocess.Popen, repo: Path, out: ServerOutput, orphans: int, timeout_s: float = 45.0) -> int:
     """tritonserver's exit code once it has stopped. A model copy replaced after its stub died is
-    never unloaded (pergola/supervisor.py), and Triton's shutdown would wait its whole exit
+    never unloaded (pergola/triton/supervisor.py), and Triton's shutdown would wait its whole exit
     timeout (30 s) for it: once no more versions are left than such copies (`orphans`; Triton's
     shutdown log counts them), the server is ended at once. Triton waits up to its exit timeout for
     in-flight requests; one that hangs longer is killed."""
@@ -416,7 +416,7 @@ def server_memory_limit(gb: float) -> int:
 def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = None) -> int:
     """Run tritonserver in the foreground: load a model again when one of its stubs dies, and
     restart the server when that fails or the server itself crashes, hangs or runs away with
-    memory while serving (`make serve`; pergola/supervisor.py).
+    memory while serving (`make serve`; pergola/triton/supervisor.py).
 
     SIGINT and SIGTERM end the watch first (no restart may race the shutdown), call `on_stop`
     (`pergola serve`: the gateway's own graceful stop, which closes its connections to
@@ -424,8 +424,8 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
     returns; so does a server that exits before it was ever ready (a configuration error:
     restarting would not help).
     """
-    from pergola.admin import ModelLoader, RepositoryClient
-    from pergola.supervisor import Supervisor
+    from pergola.triton.admin import ModelLoader, RepositoryClient
+    from pergola.triton.supervisor import Supervisor
 
     install = TritonInstall.prepare()
     shm_prefix = f"pergola_{os.getpid()}_"

@@ -3,7 +3,7 @@
 Everything pergola needs to know about a model that the folder itself decides lives here:
 architecture, pooling, sentence-transformers Dense modules, normalisation, truncation length,
 named prompts. Serving settings (device, token budget, limits) live in
-`pergola.config.EngineConfig` instead.
+`pergola.config.engine.EngineConfig` instead.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ DECODERS = ("qwen2", "qwen3", "gemma3_text")
 RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen2", "qwen3")
 # Model types served as classifiers (sequence classification with several labels: `classify`).
 CLASSIFIERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen2", "qwen3")
-# Prompts a reranker's pairs may be laid out in (pergola.rerank.RERANK_KINDS; `rerank_prompt`).
+# Prompts a reranker's pairs may be laid out in (pergola.text.rerank.RERANK_KINDS; `rerank_prompt`).
 RERANK_PROMPTS = ("cross-encoder", "qwen3-reranker", "mxbai-rerank-v2")
 # sentence-transformers' module that scores a causal LM's last-token logits (CrossEncoder, 5.4+).
 LOGIT_SCORE = "LogitScore"
