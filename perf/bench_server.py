@@ -189,7 +189,7 @@ class HFReranker:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pergola.text.rerank import answer_ids as _yes_no_ids
+        from pergola.config.reranker import answer_ids as _yes_no_ids
         from pergola.config.hf_folder import load_model_spec as spec_of
 
         self.torch, self.device = torch, device

@@ -25,8 +25,8 @@ from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.heads import activate
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
-from pergola.text.rerank import (MXBAI_PREFIX, MXBAI_SEP, MXBAI_SUFFIX, MXBAI_TASK, RerankTokenizer, answer_ids,
-                            reranker_kind)
+from pergola.config.reranker import answer_ids, reranker_kind
+from pergola.text.rerank import MXBAI_PREFIX, MXBAI_SEP, MXBAI_SUFFIX, MXBAI_TASK, RerankTokenizer
 from test_rerank import DOCS, QUERY  # documents in several scripts, the last one over the limit
 
 MAX_LENGTH = 512

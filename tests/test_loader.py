@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
-from pergola.models import build_model
-from pergola.text.rerank import answer_ids
+from pergola.models.loader import build_model
+from pergola.config.reranker import answer_ids
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,8 @@ import pytest
 
 from pergola.text.errors import RequestError
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
-from pergola.text.rerank import RerankOptions, answer_ids, rank, reranker_kind
+from pergola.config.reranker import answer_ids, reranker_kind
+from pergola.text.rerank import RerankOptions, rank
 from pergola.triton.adapter import EmbedOptions, embed_options, rerank_options
 
 

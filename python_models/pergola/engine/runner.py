@@ -29,7 +29,7 @@ from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_b
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for
-from pergola.models import build_model
+from pergola.models.loader import build_model
 from pergola.outputs.pooling import TokenHeads, pool
 
 log = logging.getLogger("pergola.runner")

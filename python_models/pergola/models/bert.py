@@ -20,7 +20,7 @@ from pergola.outputs.heads import HEAD_TASKS
 from pergola.config.hf_folder import head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models import Model
+from pergola.models.loader import Model
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),

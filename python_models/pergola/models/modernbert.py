@@ -28,7 +28,7 @@ from pergola.outputs.heads import HEAD_TASKS
 from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear
-from pergola.models import Model
+from pergola.models.loader import Model
 from pergola.models.bert import ACTIVATIONS
 from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import RotaryEmbedding, apply_rope

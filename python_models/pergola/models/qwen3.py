@@ -27,7 +27,7 @@ from pergola.config.hf_folder import ModelFolderError, head_dim, sequence_classi
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import PendingNorm, qk_norm_rope, rms_norm, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
-from pergola.models import Model
+from pergola.models.loader import Model
 from pergola.text.rerank import AnswerIds
 
 
