@@ -34,7 +34,7 @@ from pergola.text.rerank import RerankOptions, rank
 from pergola.text.errors import RequestError
 from pergola.outputs.token_outputs import DEFAULT_OUTPUTS, TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
 from pergola.triton.adapter import (EmbedOptions, RequestInputs, admitted, classify_options, embed_options,
-                               end_with_server, error_response, exit_soon, instance_device, is_fatal_device_error,
+                               end_with_server, inference_error, exit_soon, instance_device, is_fatal_device_error,
                                optional_array, required_array, rerank_options, set_cpu_threads)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -247,7 +247,7 @@ class TritonPythonModel:
         codes = {Overloaded: "UNAVAILABLE", Unloading: "UNAVAILABLE", Cancelled: "CANCELLED"}
         code = next((c for cls, c in codes.items() if isinstance(exc, cls)), None)
         if code is None:
-            return error_response(pb_utils, exc)
+            return inference_error(pb_utils, exc)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
 
     def _fatal(self, exc: BaseException) -> bool:

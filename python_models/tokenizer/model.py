@@ -7,7 +7,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pergola.text.tokenization import TextTokenizer
-from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, embed_options, error_response, optional_count,
+from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, embed_options, inference_error, optional_count,
                                optional_scalar, read_truncation, required_strings)
 
 
@@ -63,7 +63,7 @@ class TritonPythonModel(TokenizerAdapter):
                 max_tokens=optional_count(inputs, request, "MAX_TOKENS"),
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
-            return error_response(pb_utils, e)
+            return inference_error(pb_utils, e)
         return self._respond(pb_utils, enc, started, {
             "PROMPT_LENGTHS": enc.prompt_lengths[None, :],
             "DIMENSIONS_OUT": np.array([[options.dimensions]], dtype=np.int32),

@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from pergola.text.encodings import INT8_SCALE, quantize
 from pergola.text.errors import quote, read_strings
-from pergola.gateway.backend import EmbedOptions, TooLong
+from pergola.gateway.backend import EmbedRequest, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request
 from pergola.gateway.http import Body, answer
@@ -77,7 +77,7 @@ def _types(body: Body, default: list[str] | None) -> list[str] | None:
     return types
 
 
-def _options(body: Body, model: ServedModel) -> EmbedOptions:
+def _options(body: Body, model: ServedModel) -> EmbedRequest:
     input_type = body.get("input_type", str)
     if input_type is not None and input_type not in INPUT_TYPES:
         why = "pergola serves text models" if input_type == "image" else f"use one of {', '.join(INPUT_TYPES)}"
@@ -89,7 +89,7 @@ def _options(body: Body, model: ServedModel) -> EmbedOptions:
     prompt = INPUT_TYPES.get(input_type) if input_type else None
     if model.prompts is not None and prompt not in model.prompts:  # (a model without that prompt: none)
         prompt = None
-    return EmbedOptions(prompt_name=prompt,
+    return EmbedRequest(prompt_name=prompt,
                         dimensions=body.count("output_dimension"), truncate=truncate_option(body) or "END",
                         max_tokens=body.count("max_tokens"))
 

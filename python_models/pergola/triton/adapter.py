@@ -198,7 +198,7 @@ def admitted(request: Any) -> bool:
     return bool(json.loads(request.parameters() or "{}").get(ADMITTED))
 
 
-def error_response(pb_utils: Any, exc: Exception) -> Any:
+def inference_error(pb_utils: Any, exc: Exception) -> Any:
     """A Triton error response; RequestError is the client's to fix (INVALID_ARG)."""
     if isinstance(exc, RequestError):
         return pb_utils.InferenceResponse(
