@@ -35,7 +35,6 @@ class ModelFolderError(ValueError):
 DENSE_ACTIVATIONS = ("torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh",
                      "torch.nn.modules.activation.ReLU", "torch.nn.modules.activation.GELU",
                      "torch.nn.modules.activation.Sigmoid", "torch.nn.modules.activation.SiLU")
-IDENTITY = DENSE_ACTIVATIONS[0]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ everything and truncating.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
@@ -34,7 +33,6 @@ from pergola.config.hf_folder import ModelFolderError, ModelSpec
 # when it does not, the prefix doubles.
 CHARS_PER_TOKEN = 8
 
-TruncateMode = Literal["NONE", "START", "END"]
 TRUNCATE_MODES: tuple[str, ...] = ("NONE", "START", "END")
 
 
