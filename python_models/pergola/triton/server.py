@@ -25,11 +25,7 @@ from typing import Callable
 
 from pergola.triton.admin import redact, restricted_api_flags
 from pergola.config.options import option
-
-
-def cache_dir() -> Path:
-    """pergola's cache folder: $PERGOLA_CACHE, else ~/.cache/pergola (Triton backends, the Qwen3 tokenizer)."""
-    return Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
+from pergola.config.settings import cache_dir, settings
 
 
 class ServerError(RuntimeError):
@@ -42,7 +38,7 @@ def _pytriton_root() -> Path:
     PERGOLA_TRITON_ROOT, when set, names the unpacked `tritonserver` folder directly (offline GPU
     hosts: scripts/gpu_setup.sh), so the `pytriton` package and its dependencies need not import.
     """
-    override = os.environ.get("PERGOLA_TRITON_ROOT")
+    override = settings().triton_root
     if override:
         server = Path(override).resolve()
         if not (server / "bin" / "tritonserver").is_file():
@@ -94,7 +90,7 @@ class TritonInstall:
         )
         # The stub's interpreter is the first python3 on PATH: this environment's, unless
         # PERGOLA_STUB_BIN names another (a venv with numpy 1.x beside a numpy-2 torch install).
-        stub_bin = os.environ.get("PERGOLA_STUB_BIN") or str(Path(sys.executable).parent)
+        stub_bin = settings().stub_bin or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}:{env.get('PATH', '')}"
         return env
 
