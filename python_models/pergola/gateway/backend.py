@@ -347,7 +347,7 @@ class Backend:
         reads as_numpy(name). Over the replica's HTTP port when known (gateway/triton_http.py: less
         of the gateway's CPU per call), over gRPC when `cancellable` (or no HTTP port): Triton passes
         a gRPC caller's cancellation on to the model, which the encoder sees between steps and drops
-        the request; a closed HTTP connection it does not (perf/experiments/cancel_paths.py).
+        the request; a closed HTTP connection it does not (perf/results/2026-12-06-a3538ba-cpu/NOTES.md).
         Triton is told the time the request has left (µs): the encoder drops work nobody waits for;
         and that the gateway admitted it (ADMITTED: the encoder does not refuse it for its queue)."""
         timeout_s = work.left_s() if work is not None else self.timeout_s

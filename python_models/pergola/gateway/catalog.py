@@ -36,8 +36,8 @@ _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 class Pipeline:
     """The ensemble's two steps by tensor name, for the gateway to make them as two calls:
     Triton passes a gRPC client's cancellation to the model it calls, not to an ensemble's step in
-    flight (perf/experiments/cancel_paths.py: a given-up ensemble call's 8,191 tokens were all
-    encoded, a call straight to NAME_encoder's none), so bulk work goes to NAME_encoder itself."""
+    flight (a given-up ensemble call was encoded whole, a call straight to NAME_encoder not at all:
+    perf/results/2026-12-06-a3538ba-cpu/NOTES.md), so bulk work goes to NAME_encoder itself."""
 
     inputs: dict[str, str]  # ensemble input -> NAME_tokenizer input
     feeds: dict[str, str]  # NAME_tokenizer output -> NAME_encoder input
