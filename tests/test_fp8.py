@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from triton_interp import run_in_interpreter
 
 from conftest import BF16_ATOL, TEXTS, cosine_rows, qwen3_folders_or_skip
-from pergola.config.engine import engine as config
+from pergola.config import engine as config
 from pergola.config.engine import EngineConfig
 from pergola.layers import fp8
 from pergola.layers.fp8 import (FP8, FP8_MAX, QuantizationUnsupported, check_supported, dequantize, fp8_linear,
