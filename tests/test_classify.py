@@ -172,7 +172,7 @@ def test_server_matches_transformers(served, folders, name, kind):
 
         firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
         with PergolaClient(f"127.0.0.1:{process.grpc}") as pergola:
-            result = pergola.text.classify(firsts, seconds, raw_scores=True)
+            result = pergola.classify(firsts, seconds, raw_scores=True)
         assert result.labels == list(CLASSIFIER_LABELS)
         np.testing.assert_allclose(result.probs, reference_logits(folders[kind], firsts, seconds), atol=VALUE_ATOL,
                                    rtol=0)
