@@ -85,7 +85,7 @@ COPY python_models ./python_models
 ENV PERGOLA_REPO=/var/lib/pergola/repository PERGOLA_CACHE=/var/cache/pergola HF_HOME=/var/cache/huggingface
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e . \
  && python -m compileall -q python_models client \
- && python -c "from pergola.server import TritonInstall; TritonInstall.prepare()"
+ && python -c "from pergola.triton.server import TritonInstall; TritonInstall.prepare()"
 EXPOSE 8080
 # PERGOLA_MODEL: a Hub id or folder (NAME=... to name it); else the folder mounted at
 # /models/default (named PERGOLA_MODEL_NAME, default "default"); else all-MiniLM-L6-v2.

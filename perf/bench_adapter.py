@@ -6,7 +6,7 @@
 
 Starts pergola's tritonserver with Triton's own tracing on (--trace-config, mode triton,
 TIMESTAMPS, every request) and the encoder's timing marks on (PERGOLA_ADAPTER_TIMING:
-pergola/adapter_timing.py), then sends sequential batch-1 requests with tritonclient gRPC to
+pergola/triton/adapter_timing.py), then sends sequential batch-1 requests with tritonclient gRPC to
   floor     a trivial Python model with the encoder's inputs that answers a zero vector at once
             from execute(): Triton's own floor on this host, measured in the same run
   floor_sender  the same, answered from a thread, through the request's response sender, after
@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.adapter_timing import ENV as TIMING_ENV  # noqa: E402
-from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.triton.adapter_timing import ENV as TIMING_ENV  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
+from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
 NAME, COMPARE = "bench", "compare"
 FLOOR, FLOOR_SENDER, FLOOR_BATCHER = "floor", "floor_sender", "floor_batcher"
@@ -183,7 +183,7 @@ def read_traces(path: Path) -> list[dict]:
 
 
 def read_marks(folder: Path, model: str) -> list[dict]:
-    """An encoder's marks (pergola/adapter_timing.py), every instance's file."""
+    """An encoder's marks (pergola/triton/adapter_timing.py), every instance's file."""
     marks = []
     for path in folder.glob(f"{model}-*.json"):
         marks += [m for m in json.loads(path.read_text())["requests"] if "sent" in m]

@@ -40,7 +40,7 @@ from common import cosine_min, drain, model_folder, percentiles, write_result  #
 from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY, QUERY_GAP_S  # noqa: E402
 
-from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
 
 DONE = ("completed", "failed", "cancelled", "expired")
 

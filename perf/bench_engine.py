@@ -29,9 +29,9 @@ from common import (  # noqa: E402
     sync, time_latency, time_throughput)
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.config import EngineConfig  # noqa: E402
+from pergola.config.engine import EngineConfig  # noqa: E402
 from pergola.engine import Engine  # noqa: E402
-from pergola.hf_folder import load_model_spec  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
 
 

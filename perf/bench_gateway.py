@@ -41,9 +41,9 @@ from mixed import QUERY  # noqa: E402
 from pergola.gateway.app import spawn  # noqa: E402
 from pergola.gateway.metrics import inputs_by_tokenizer  # noqa: E402
 from pergola.gateway.options import GatewayOptions  # noqa: E402
-from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
+from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
 
 class Gateway:
@@ -167,7 +167,7 @@ def spawn_gateway(servers: list[ServerOptions], port: int, **options):
 
 def gateway_option_values(pairs: list[str]) -> dict[str, object]:
     """--gateway-option NAME=VALUE pairs as GatewayOptions values, typed as its flags are."""
-    from pergola.options import convert, declared
+    from pergola.config.options import convert, declared
 
     fields = {f.name: f for f in declared(GatewayOptions)}
     out = {}

@@ -211,8 +211,8 @@ def main() -> None:
     from inputs import TokenWindows
 
     import pergola
-    from pergola.hf_folder import load_model_spec
-    from pergola.server import free_port
+    from pergola.config.hf_folder import load_model_spec
+    from pergola.triton.server import free_port
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-gateway-bulk-"))
     folder = model_folder("qwen3-tiny", workdir)

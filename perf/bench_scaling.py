@@ -32,8 +32,8 @@ from bench_server import NAME, _throughput_worker, run_client_processes  # noqa:
 from common import model_folder, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.server import ServerOptions, free_port  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.triton.server import ServerOptions, free_port  # noqa: E402
 
 LAYOUTS = ("one_server", "per_gpu")
 

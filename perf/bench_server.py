@@ -51,10 +51,10 @@ from common import (  # noqa: E402
 )
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.config import EngineConfig  # noqa: E402
-from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.config.engine import EngineConfig  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
+from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 
 NAME = "bench"
 
@@ -189,8 +189,8 @@ class HFReranker:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pergola.rerank import answer_ids as _yes_no_ids
-        from pergola.hf_folder import load_model_spec as spec_of
+        from pergola.config.reranker import answer_ids as _yes_no_ids
+        from pergola.config.hf_folder import load_model_spec as spec_of
 
         self.torch, self.device = torch, device
         self.no_id, self.yes_id = _yes_no_ids(spec_of(folder, task="rerank"))

@@ -93,8 +93,8 @@ from common import (  # noqa: E402
 from bench_server import HFReranker, run_client_processes  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 
-from pergola.hf_folder import load_model_spec  # noqa: E402
-from pergola.server import free_port  # noqa: E402
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.triton.server import free_port  # noqa: E402
 
 DEFAULT_SITE = "/tmp/vllm-site"
 SERVED_NAME = "bench"
@@ -274,7 +274,7 @@ def scoring_requests(folder: Path, windows: TokenWindows, batch: int, length: in
     """
     if how == "windows":
         return [windows.ids(length, batch, seed=100 * batch + i) for i in range(10)]
-    from pergola.rerank import RerankTokenizer
+    from pergola.text.rerank import RerankTokenizer
 
     tok = RerankTokenizer(load_model_spec(folder, task="rerank"), "qwen3-reranker", max_length=length)
     requests = []
@@ -769,7 +769,7 @@ def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
 def use_bundled_tokenizer(site: str | None) -> None:
     """The vLLM bundle carries the Qwen3 tokenizer (SITE/pergola-cache): use it when pergola's cache
     has none, so that this runs on a GPU host that has only the vLLM bundle."""
-    from pergola.testing import cache_dir
+    from pergola_testing import cache_dir
 
     bundled = Path(site or DEFAULT_SITE) / "pergola-cache"
     if not (cache_dir() / "tokenizer-qwen3" / "tokenizer.json").is_file() \

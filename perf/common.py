@@ -8,6 +8,7 @@ the benchmarks beside it. A script that times on the CPU sets `common.DEVICE = "
 from __future__ import annotations
 
 import json
+import sys
 import threading
 
 import time
@@ -18,9 +19,11 @@ from typing import Callable, Iterable, TypeVar
 import numpy as np
 import torch
 
-from pergola.config import EngineConfig
-from pergola.engine import EncodeRequest, Engine
-from pergola.pooling import finish
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # pergola_testing: the seeded folders
+
+from pergola.config.engine import EngineConfig  # noqa: E402
+from pergola.engine import EncodeRequest, Engine  # noqa: E402
+from pergola.outputs.pooling import finish  # noqa: E402
 
 T = TypeVar("T")
 
@@ -38,11 +41,11 @@ QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny",
 
 @dataclass(frozen=True)
 class ArchModel:
-    """An encoder of another architecture as the benchmarks build it: a pergola.testing maker's
+    """An encoder of another architecture as the benchmarks build it: a pergola_testing maker's
     seeded folder (seed 0, BF16 as the Qwen3 folders) in the model's published shape. Its CPU
     twin, NAME-tiny, is the same maker in the "tiny" shape with the maker's own limits."""
 
-    maker: str  # a pergola.testing function taking (out, shape=, seed=, dtype=, max_seq_length=)
+    maker: str  # a pergola_testing function taking (out, shape=, seed=, dtype=, max_seq_length=)
     shape: str  # the published shape's key in that module's shape table
     max_seq_length: int  # the published limit: the folder's, so pergola's max_seq_length and vLLM's max_model_len
 
@@ -85,12 +88,12 @@ def percentiles(ms: list[float]) -> dict[str, float]:
 
 def arch_folder(name: str, out: Path) -> Path:
     """An ARCH_MODELS model's seeded folder (or its tiny twin's), built once into `out`."""
-    import pergola.testing
+    import pergola_testing
 
     decl, tiny = arch_model(name)  # type: ignore[misc]
     if not (out / "model.safetensors").exists():
         limit = {} if tiny else {"max_seq_length": decl.max_seq_length}
-        getattr(pergola.testing, decl.maker)(out, shape="tiny" if tiny else decl.shape, seed=0,
+        getattr(pergola_testing, decl.maker)(out, shape="tiny" if tiny else decl.shape, seed=0,
                                              dtype="bfloat16", **limit)
     return out
 
@@ -105,7 +108,7 @@ def model_folder(name: str, workdir: Path) -> Path:
         return default_model_folder()
     if arch_model(name):
         return arch_folder(name, workdir / name)
-    from pergola.testing import make_qwen3_folder, make_qwen3_reranker_folder
+    from pergola_testing import make_qwen3_folder, make_qwen3_reranker_folder
 
     out = workdir / name
     if not (out / "model.safetensors").exists():

@@ -41,10 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder  # noqa: E402
 
-from pergola.config import EngineConfig  # noqa: E402
+from pergola.config.engine import EngineConfig  # noqa: E402
 from pergola.engine import EncodeRequest, Engine  # noqa: E402
-from pergola.pooling import finish  # noqa: E402
-from pergola.tokenization import TextTokenizer  # noqa: E402
+from pergola.outputs.pooling import finish  # noqa: E402
+from pergola.text.tokenization import TextTokenizer  # noqa: E402
 
 
 def corpus(max_passages: int, query_every: int = 5) -> tuple[list[str], list[str]]:
@@ -128,9 +128,9 @@ def main() -> None:
     p.add_argument("--out", default="perf/out/fp8_fidelity.json")
     args = p.parse_args()
     if args.device == "cpu":
-        import pergola.models
+        import pergola.models.loader
 
-        pergola.models.check_supported = lambda device, dtype: None  # dry run: FP8 emulated on the CPU
+        pergola.models.loader.check_supported = lambda device, dtype: None  # dry run: FP8 emulated on the CPU
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-fp8-"))
     passages, queries = corpus(args.passages)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (FP8 emulated, dry run)"

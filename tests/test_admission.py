@@ -8,11 +8,9 @@ import asyncio
 import json
 import re
 import socket
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,8 +22,7 @@ from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, pipeline
 from pergola.gateway.errors import GatewayError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-from bench_overload import prose  # noqa: E402
+from bench_overload import prose
 from test_overload import busy_server  # noqa: E402, F401  (MiniLM as `mini`, one torch thread)
 
 

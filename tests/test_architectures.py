@@ -2,7 +2,7 @@
 
 Each folder is written the way Hugging Face writes it (`save_pretrained` of a randomly initialised
 transformers model, every parameter perturbed so that a dropped bias or norm shows), with a small
-tokenizer of the model's kind and the sentence-transformers files (pergola.testing). Embeddings
+tokenizer of the model's kind and the sentence-transformers files (pergola_testing). Embeddings
 must match sentence-transformers (cosine >= 0.9999), reranker scores transformers' (<= 1e-4), and a
 batch must equal its texts sent one by one.
 """
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from conftest import TEXTS, cosine_rows
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.heads import activate
-from pergola.hf_folder import load_model_spec
-from pergola.pooling import finish
-from pergola.rerank import RerankTokenizer
-from pergola.tokenization import TextTokenizer
+from pergola.outputs.heads import activate
+from pergola.config.hf_folder import load_model_spec
+from pergola.outputs.pooling import finish
+from pergola.text.rerank import RerankTokenizer
+from pergola.text.tokenization import TextTokenizer
 from test_rerank import DOCS, QUERY  # the documents that test truncation and scripts
 
 # A literal "<pad>" is tokenized as the padding id: RoBERTa-family positions skip it.
@@ -86,7 +86,7 @@ def sequence_classification_scores(folder: Path, query: str, docs: list[str]) ->
 
 @pytest.fixture(scope="module")
 def xlmr_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from pergola.testing import make_xlm_roberta_folder, make_xlm_roberta_reranker_folder
+    from pergola_testing import make_xlm_roberta_folder, make_xlm_roberta_reranker_folder
 
     root = tmp_path_factory.mktemp("xlm-roberta")
     return {"cls": make_xlm_roberta_folder(root / "cls", pooling="cls"),
@@ -111,7 +111,7 @@ def test_xlm_roberta_matches_sentence_transformers(xlmr_folders, pooling):
 
 def test_xlm_roberta_positions_start_after_the_padding_index(xlmr_folders):
     """Sequences of 512 tokens (positions 2..513) are served; 513 are refused by the length check."""
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
 
     engine = engine_for(xlmr_folders["mean"])
     ids = np.full(512, 5, dtype=np.int64)
@@ -153,7 +153,7 @@ def test_xlm_roberta_served_end_to_end(tmp_path, xlmr_folders):
 
 def dense_modules(spec: list[tuple[int, int, bool, str]], seed: int) -> list:
     """sentence-transformers Dense modules (in, out, bias, activation) with seeded weights."""
-    from pergola.testing import st_modules
+    from pergola_testing import st_modules
 
     Dense = st_modules().Dense
     torch.manual_seed(seed)
@@ -165,7 +165,7 @@ def dense_modules(spec: list[tuple[int, int, bool, str]], seed: int) -> list:
 def dense_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """EmbeddingGemma's pipeline (mean -> Dense 768->3072->768 without bias or activation ->
     Normalize) and LaBSE's (CLS -> Dense with bias and Tanh -> Normalize), on a tiny XLM-R."""
-    from pergola.testing import make_xlm_roberta_folder
+    from pergola_testing import make_xlm_roberta_folder
 
     root = tmp_path_factory.mktemp("dense")
     gemma_like = dense_modules([(64, 256, False, "identity"), (256, 48, False, "identity")], seed=3)
@@ -186,7 +186,7 @@ def test_dense_modules_match_sentence_transformers(dense_folders, kind, width):
 
 def test_a_nonlinear_dense_after_mean_pooling_matches_sentence_transformers(tmp_path):
     """Tanh after mean pooling does not commute with the mean: the stack runs on pooled rows."""
-    from pergola.testing import make_xlm_roberta_folder
+    from pergola_testing import make_xlm_roberta_folder
 
     dense = dense_modules([(64, 32, True, "tanh")], seed=7)
     folder = make_xlm_roberta_folder(tmp_path / "mean-tanh", pooling="mean", seed=8, dense=dense)
@@ -198,7 +198,7 @@ def test_a_nonlinear_dense_after_mean_pooling_matches_sentence_transformers(tmp_
 
 @pytest.fixture(scope="module")
 def mpnet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pergola.testing import make_mpnet_folder
+    from pergola_testing import make_mpnet_folder
 
     return make_mpnet_folder(tmp_path_factory.mktemp("mpnet") / "mpnet", seed=7)
 
@@ -214,7 +214,7 @@ def test_mpnet_matches_sentence_transformers(mpnet_folder):
 
 @pytest.fixture(scope="module")
 def decoder_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from pergola.testing import make_gemma3_folder, make_qwen2_folder
+    from pergola_testing import make_gemma3_folder, make_qwen2_folder
 
     root = tmp_path_factory.mktemp("decoders")
     return {"qwen2": make_qwen2_folder(root / "qwen2", seed=8), "gemma3": make_gemma3_folder(root / "gemma3", seed=9)}
@@ -243,7 +243,7 @@ def test_decoder_matches_sentence_transformers(decoder_folders, kind, prompt):
 
 @pytest.fixture(scope="module")
 def modernbert_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from pergola.testing import make_modernbert_folder, make_modernbert_reranker_folder
+    from pergola_testing import make_modernbert_folder, make_modernbert_reranker_folder
 
     root = tmp_path_factory.mktemp("modernbert")
     return {"embed": make_modernbert_folder(root / "embed", seed=10),
@@ -309,7 +309,7 @@ def test_transformers4_configs_read_the_same(tmp_path, decoder_folders, modernbe
 
 def test_roberta_matches_sentence_transformers(tmp_path):
     """RoBERTa: XLM-R's network (models/bert.py, positions after the padding index)."""
-    from pergola.testing import make_xlm_roberta_folder
+    from pergola_testing import make_xlm_roberta_folder
 
     folder = make_xlm_roberta_folder(tmp_path / "roberta", pooling="mean", seed=12, model_type="roberta")
     assert load_model_spec(folder).hf_config["model_type"] == "roberta"
@@ -322,7 +322,7 @@ def test_unsupported_folders_are_refused_by_name(tmp_path, xlmr_folders):
     import json
     import shutil
 
-    from pergola.hf_folder import ModelFolderError
+    from pergola.config.hf_folder import ModelFolderError
 
     folder = tmp_path / "t5"
     folder.mkdir()
@@ -342,7 +342,7 @@ def test_relative_position_embeddings_are_refused(tmp_path, xlmr_folders):
     import json
     import shutil
 
-    from pergola.hf_folder import ModelFolderError
+    from pergola.config.hf_folder import ModelFolderError
 
     for name in ("cls", "reranker"):
         assert json.loads((xlmr_folders[name] / "config.json").read_text())["position_embedding_type"] == "absolute"

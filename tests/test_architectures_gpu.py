@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from conftest import TEXTS, cosine_rows
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.heads import activate
-from pergola.pooling import finish
-from pergola.rerank import RerankTokenizer
-from pergola.tokenization import TextTokenizer
+from pergola.outputs.heads import activate
+from pergola.outputs.pooling import finish
+from pergola.text.rerank import RerankTokenizer
+from pergola.text.tokenization import TextTokenizer
 from test_rerank import DOCS, QUERY
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ GPU_TEXTS = [*TEXTS, "Paris is the capital and most populous city of France. " *
 
 
 def make_folder(kind: str, out: Path) -> Path:
-    from pergola import testing
+    import pergola_testing as testing
 
     makers = {
         "xlm-roberta": lambda: testing.make_xlm_roberta_folder(out, shape="bge-m3", pooling="cls"),

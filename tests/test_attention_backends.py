@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pergola.config import ATTENTION_BACKENDS, EngineConfig
+from pergola.config.engine import ATTENTION_BACKENDS, EngineConfig
 from pergola.layers import attention
 from pergola.layers.attention import BACKENDS, AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import candidates
@@ -87,7 +87,7 @@ def test_sdpa_matches_each_sequence_alone(causal):
 @pytest.mark.parametrize("name", [n for n in BACKENDS if n != "sdpa"])
 def test_gpu_backends_match_each_sequence_alone(name):
     """Eagerly, and (graph-safe kernels) replayed from a CUDA graph with the plan made for its key."""
-    from pergola.cudagraph import capture
+    from pergola.layers.cudagraph import capture
 
     device = torch.device("cuda")
     try:
@@ -147,7 +147,7 @@ def test_band_attention_matches_each_sequence_alone(causal):
 def test_flash_window_matches_each_sequence_alone(causal):
     """BF16 on the GPU, BandAttention takes FlashAttention-2's windowed varlen kernel: the same
     band as the padded path (ModernBERT's 65 = 128 // 2 + 1; GQA as Gemma3), eager and replayed."""
-    from pergola.cudagraph import capture
+    from pergola.layers.cudagraph import capture
     from pergola.layers.attention import TorchFlashAttention
 
     lengths, window = [300, 1, 64, 65, 66, 500], 65

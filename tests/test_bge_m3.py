@@ -1,6 +1,6 @@
 """bge-m3: the dense vector, sparse lexical weights and ColBERT vectors from one forward pass.
 
-A tiny XLM-R folder in bge-m3's layout (pergola.testing.make_bge_m3_folder: seeded random weights,
+A tiny XLM-R folder in bge-m3's layout (pergola_testing.make_bge_m3_folder: seeded random weights,
 FlagEmbedding's `sparse_linear.pt` / `colbert_linear.pt` beside the model) served through the real
 server: each output must equal FlagEmbedding's formulas (BGEM3's inference code) computed here
 with transformers on the same weights, a batch must equal its texts sent one by one, the ragged
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from conftest import MIN_COSINE, SAME, TEST_DEVICE, TEXTS, VALUE_ATOL, cosine_rows
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.hf_folder import load_model_spec
-from pergola.pooling import finish
-from pergola.tokenization import TextTokenizer
-from pergola.token_outputs import row_width, skipped_token_ids, sparse_outputs, token_outputs
+from pergola.config.hf_folder import load_model_spec
+from pergola.outputs.pooling import finish
+from pergola.text.tokenization import TextTokenizer
+from pergola.outputs.token_outputs import row_width, skipped_token_ids, sparse_outputs, token_outputs
 from test_classify import post  # (base URL, path, JSON body) -> (status, JSON answer)
 
 XLMR_TEXTS = [*TEXTS, "repeated words repeated words repeated", "text with a literal <pad> token inside <pad> it"]
@@ -31,7 +31,7 @@ XLMR_TEXTS = [*TEXTS, "repeated words repeated words repeated", "text with a lit
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from pergola.testing import make_bge_m3_folder, make_xlm_roberta_folder
+    from pergola_testing import make_bge_m3_folder, make_xlm_roberta_folder
 
     root = tmp_path_factory.mktemp("bge-m3")
     return {"m3": make_bge_m3_folder(root / "m3", seed=11), "plain": make_xlm_roberta_folder(root / "plain", seed=12)}
@@ -181,7 +181,7 @@ def test_gpu_gives_flag_embeddings_outputs(tmp_path, shape, dtype):
     near zero, where BF16's rounding turns them on or off: transformers' own BF16 differs from its
     FP32 by up to 0.09 on weights of up to 0.32, and a text's weights as vectors can have cosine 0
     (perf/RESULTS.md, 2026-12-05)."""
-    from pergola.testing import make_bge_m3_folder
+    from pergola_testing import make_bge_m3_folder
 
     folder = make_bge_m3_folder(tmp_path / shape, shape=shape, seed=13)
     dense, reference, multi = flag_embedding(folder, XLMR_TEXTS)

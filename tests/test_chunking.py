@@ -48,7 +48,7 @@ def reference_windows(tokenizer, text: str, size: int, overlap: int) -> list[tup
 @pytest.mark.parametrize("n,size,overlap", [(0, 4, 0), (1, 4, 3), (4, 4, 1), (5, 4, 1), (10, 4, 0), (10, 4, 3),
                                             (11, 5, 2), (300, 128, 16)])
 def test_window_starts_follow_the_definition(n, size, overlap):
-    from pergola.chunking import window_count, window_starts
+    from pergola.text.chunking import window_count, window_starts
 
     expected, k = [], 0
     while k * (size - overlap) < max(n - overlap, 1):
@@ -60,7 +60,7 @@ def test_window_starts_follow_the_definition(n, size, overlap):
 
 def test_span_plan_means_equal_a_plain_mean_over_each_chunks_tokens():
     """Overlapping rows, a chunk of two rows across sequences, tokens no chunk pools."""
-    from pergola.chunking import SpanPlan
+    from pergola.text.chunking import SpanPlan
 
     rng = np.random.default_rng(0)
     lengths = np.array([7, 5, 9], np.int32)
@@ -76,8 +76,8 @@ def test_span_plan_means_equal_a_plain_mean_over_each_chunks_tokens():
 
 @pytest.mark.parametrize("rows", [[[0, 5, 9]], [[0, 2, 2]], [[1, 0, 2]], [[0, 0, 2], [2, 2, 3]], [[0, -1, 2]]])
 def test_span_plan_refuses_rows_outside_one_sequence(rows):
-    from pergola.chunking import SpanPlan
-    from pergola.errors import RequestError
+    from pergola.text.chunking import SpanPlan
+    from pergola.text.errors import RequestError
 
     with pytest.raises(RequestError, match="CHUNK_SPANS"):
         SpanPlan.build(np.array(rows, np.int64).reshape(-1), np.array([7, 5], np.int32))
@@ -85,8 +85,8 @@ def test_span_plan_refuses_rows_outside_one_sequence(rows):
 
 @pytest.fixture(scope="module")
 def minilm_tokenizer(minilm_folder):
-    from pergola.config import EngineConfig
-    from pergola.tokenization import TextTokenizer
+    from pergola.config.engine import EngineConfig
+    from pergola.text.tokenization import TextTokenizer
 
     cfg = EngineConfig(model_dir=str(minilm_folder), query_prompt="query: ")
     return TextTokenizer(cfg.spec(), cfg.text_limits())
@@ -116,8 +116,8 @@ def test_windows_with_a_prompt_are_the_windows_texts_with_the_prompt(minilm_toke
 
 
 def test_chunk_refuses_what_the_model_cannot_take(minilm_tokenizer):
-    from pergola.chunking import ChunkLimits
-    from pergola.errors import RequestError
+    from pergola.text.chunking import ChunkLimits
+    from pergola.text.errors import RequestError
 
     with pytest.raises(RequestError, match=r"CHUNK_SIZE\) = 255"):
         minilm_tokenizer.chunk(["x"], 255)  # MiniLM: 256 less [CLS] and [SEP]
@@ -134,7 +134,7 @@ def test_chunk_refuses_what_the_model_cannot_take(minilm_tokenizer):
 def modernbert(tmp_path_factory):
     """A long-context folder: gte-modernbert's layout at CI size (CLS pooling, 8,192 tokens, a
     local attention window of 16), seeded random weights, FP32 on the CPU."""
-    from pergola.testing import make_modernbert_folder
+    from pergola_testing import make_modernbert_folder
 
     return make_modernbert_folder(tmp_path_factory.mktemp("modernbert") / "model", "tiny", seed=3)
 
@@ -147,10 +147,10 @@ def test_late_matches_transformers_hidden_states_over_each_chunks_tokens(modernb
     the CPU: cosine >= 0.9999; BF16 on a GPU, through its lanes' buffers: >= 0.999)."""
     from transformers import AutoModel
 
-    from pergola.chunking import window_starts
-    from pergola.config import EngineConfig
+    from pergola.text.chunking import window_starts
+    from pergola.config.engine import EngineConfig
     from pergola.engine import EncodeRequest, Engine
-    from pergola.tokenization import TextTokenizer
+    from pergola.text.tokenization import TextTokenizer
 
     cfg = EngineConfig(model_dir=str(modernbert), max_batch_tokens=1024,
                        **({} if device == "cpu" else {"device": "cuda:0", "dtype": "bfloat16"}))

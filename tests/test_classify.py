@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from conftest import VALUE_ATOL
-from pergola.classify import ClassifyTokenizer
-from pergola.config import EngineConfig
+from pergola.text.classify import ClassifyTokenizer
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.heads import activate, activation
-from pergola.hf_folder import load_model_spec
-from pergola.testing import CLASSIFIER_LABELS, make_classifier_folder
+from pergola.outputs.heads import activate, activation
+from pergola.config.hf_folder import load_model_spec
+from pergola_testing import CLASSIFIER_LABELS, make_classifier_folder
 
 TEXTS = ["I loved every minute of it.", "The service was slow and the food was cold.", "北京是中国的首都。",
          "🚀 rockets and emoji", "words " * 700]  # the last is over the limit: cut at its end
@@ -93,7 +93,7 @@ def test_engine_matches_transformers(folders, kind):
 
 
 def test_too_long_with_truncation_off_is_refused(folders):
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
 
     tok = ClassifyTokenizer(load_model_spec(folders["bert"]), EngineConfig(model_dir=str(folders["bert"])).text_limits())
     assert tok.encode(TEXTS).truncated.tolist() == [False] * 4 + [True]

@@ -87,7 +87,7 @@ def test_openai_sdk_raises_bad_request_for_a_bad_field(url, key):
 def test_cohere_v2_embed_every_type(url, key, short_reference):
     import cohere
 
-    from pergola.encodings import quantize
+    from pergola.text.encodings import quantize
 
     co = cohere.ClientV2(api_key=key, base_url=url)
     out = co.embed(model="mini", texts=SHORT, input_type="search_document",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pergola.gateway.connections import default_max_connections
-from pergola.server import free_port
+from pergola.triton.server import free_port
 
 SLACK_S = 3.0  # what a clock may run late on a busy 2-core host
 CAP = 40

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.heads import activate
-from pergola.hf_folder import ModelFolderError, load_model_spec
-from pergola.rerank import (MXBAI_PREFIX, MXBAI_SEP, MXBAI_SUFFIX, MXBAI_TASK, RerankTokenizer, answer_ids,
-                            reranker_kind)
+from pergola.outputs.heads import activate
+from pergola.config.hf_folder import ModelFolderError, load_model_spec
+from pergola.config.reranker import answer_ids, reranker_kind
+from pergola.text.rerank import MXBAI_PREFIX, MXBAI_SEP, MXBAI_SUFFIX, MXBAI_TASK, RerankTokenizer
 from test_rerank import DOCS, QUERY  # documents in several scripts, the last one over the limit
 
 MAX_LENGTH = 512
@@ -54,7 +54,7 @@ def save_tokenizer(out: Path) -> dict[str, int]:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pergola.testing import TOKENIZER_CORPUS
+    from pergola_testing import TOKENIZER_CORPUS
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -78,7 +78,7 @@ def make_folder(out: Path, kind: str, seed: int, num_labels: int = 1, tied: bool
     from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen3Config,
                               Qwen3ForSequenceClassification)
 
-    from pergola.testing import _save_hf_model, perturb_
+    from pergola_testing import _save_hf_model, perturb_
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(out)
@@ -264,7 +264,7 @@ def test_converted_reranker_takes_the_yes_no_prompt(folders):
 
 
 def test_decoder_classifier_equals_transformers(folders):
-    from pergola.classify import ClassifyTokenizer
+    from pergola.text.classify import ClassifyTokenizer
 
     folder = folders["qwen3-classify"]
     engine = engine_for(folder)

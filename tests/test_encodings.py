@@ -1,5 +1,5 @@
 """ENCODING: float32 (default), float16, int8 and packed sign bits; unit tests of
-pergola.encodings, then the real server over gRPC and HTTP."""
+pergola.text.encodings, then the real server over gRPC and HTTP."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import BF16_ATOL, TEST_DEVICE, TEXTS
-from pergola.encodings import OUTPUTS, check_encoding, encoded_outputs, quantize
-from pergola.errors import RequestError
+from pergola.text.encodings import OUTPUTS, check_encoding, encoded_outputs, quantize
+from pergola.text.errors import RequestError
 
 TOL = 1e-5 if TEST_DEVICE == "cpu" else BF16_ATOL  # how far one text's fp32 may move between batches
 SHAPES = {"float32": (np.float32, 384), "float16": (np.float16, 384), "int8": (np.int8, 384),
@@ -35,7 +35,7 @@ def assert_codes_match(codes: np.ndarray, fp32: np.ndarray, encoding: str, tol: 
         assert ((bits == (fp32 > 0)) | (np.abs(fp32) <= tol)).all()
 
 
-# --- pergola.encodings, no server ------------------------------------------------------------
+# --- pergola.text.encodings, no server ------------------------------------------------------------
 def test_check_encoding_names_and_defaults():
     assert check_encoding(None, normalize=True) == "float32"
     assert check_encoding("ubinary", normalize=True) == "binary"

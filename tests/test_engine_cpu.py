@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import TEXTS, cosine_rows, derived_folder
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.hf_folder import ModelFolderError, load_model_spec
-from pergola.pooling import finish
-from pergola.tokenization import TextTokenizer
+from pergola.config.hf_folder import ModelFolderError, load_model_spec
+from pergola.outputs.pooling import finish
+from pergola.text.tokenization import TextTokenizer
 
 
 def embed(engine: Engine, texts: list[str], prompt: str | None = None, **kw) -> np.ndarray:
@@ -86,7 +86,7 @@ def test_pooling_ignores_empty_padding_sequences(mode):
     """A graph bucket's trailing empty sequences start at T: pooling must not index past the end."""
     import torch
 
-    from pergola.pooling import pool
+    from pergola.outputs.pooling import pool
 
     hidden = torch.arange(15, dtype=torch.float32).view(5, 3)  # [T=5, H=3]
     cu = torch.tensor([0, 3, 5, 5, 5], dtype=torch.int32)  # 2 real sequences + 2 empty ones

@@ -101,7 +101,7 @@ def test_error_in_one_request_does_not_fail_its_batch_neighbours(server):
 ])
 def test_fatal_device_errors_are_told_apart(message, fatal):
     """Only a poisoned CUDA context ends the encoder's stub (the supervisor then reloads it)."""
-    from pergola.triton_io import is_fatal_device_error
+    from pergola.triton.adapter import is_fatal_device_error
 
     assert is_fatal_device_error(RuntimeError(message)) is fatal
 
@@ -114,8 +114,8 @@ def test_cpu_instances_leave_a_core_to_triton(tmp_path, monkeypatch, cores, expe
 
     import torch
 
-    from pergola.config import EngineConfig
-    from pergola.triton_io import set_cpu_threads
+    from pergola.config.engine import EngineConfig
+    from pergola.triton.adapter import set_cpu_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     before = torch.get_num_threads()

@@ -68,7 +68,7 @@ class FakeServer:
         return True
 
     def reload(self, name: str, mark: str, timeout_s: float) -> None:
-        from pergola.supervisor import read_recovering
+        from pergola.triton.supervisor import read_recovering
 
         time.sleep(self.load_s)
         self.reloads.append((name, sorted(read_recovering(self.repo))))
@@ -84,7 +84,7 @@ class FakeServer:
 
 def supervise(server: FakeServer, until: threading.Event):
     """Run Supervisor.watch in a thread over `server` until `until` is set; -> (thread, result)."""
-    from pergola.supervisor import Supervisor
+    from pergola.triton.supervisor import Supervisor
 
     supervisor = Supervisor(server.repo, server, server, interval_s=0.1, old_copy_grace_s=0.3)
     result: list[str | None] = []
@@ -94,7 +94,7 @@ def supervise(server: FakeServer, until: threading.Event):
 
 
 def test_a_dead_stub_is_loaded_again_alone_and_the_replaced_copy_ended(tmp_path):
-    from pergola.supervisor import RECOVERING_FILE, stub_pids
+    from pergola.triton.supervisor import RECOVERING_FILE, stub_pids
 
     server = FakeServer(tmp_path, {"m_tokenizer": 2, "m_encoder": 1, "n_encoder": 1})
     stop = threading.Event()
@@ -122,7 +122,7 @@ def test_a_dead_stub_is_loaded_again_alone_and_the_replaced_copy_ended(tmp_path)
 
 
 def test_a_model_that_cannot_be_loaded_again_restarts_the_server(tmp_path):
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     server = FakeServer(tmp_path, {"m_encoder": 1, "n_encoder": 1}, fail=True)
     stop = threading.Event()
@@ -191,7 +191,7 @@ def health(served: ServeProcess, model: str) -> int:
 
 def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
     """SIGKILL one stub of `part` while a and b are queried; -> (answers, kill time, health seen)."""
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     answers: list[Answer] = []
     seen_health: dict[str, set[int]] = {"a": set(), "b": set()}
@@ -234,7 +234,7 @@ def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
 
 @pytest.mark.parametrize("part", ["a_tokenizer", "a_encoder"])
 def test_a_dead_stub_takes_only_its_own_model_away(served, reference, part):
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     before = stub_pids(served.repo)
     answers, killed_at, seen_health = kill_under_traffic(served, part)

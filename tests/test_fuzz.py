@@ -4,16 +4,13 @@ and the good request after each bad one is answered correctly."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from conftest import MIN_COSINE, TEXTS, cosine_rows
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import fuzz_server  # noqa: E402
+import fuzz_server
 
 CASES = 400
 

@@ -47,7 +47,7 @@ class Gateway:
 def start_gateway(tmp: Path, triton: str, *args: str, ready: bool = True, http: str | int = 0) -> Gateway:
     """`pergola gateway --triton TRITON ARGS`; inference over gRPC unless `http` names Triton's
     HTTP port(s) (--triton-http-port)."""
-    from pergola.server import free_port
+    from pergola.triton.server import free_port
 
     port = free_port()
     log = tmp / f"gateway-{port}.log"
@@ -448,7 +448,7 @@ def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pergola.rerank import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
+    from pergola.text.rerank import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -468,7 +468,7 @@ def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction
 def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway, rerank_folders):
     if "qwen3-reranker" not in rerank_folders:
         pytest.skip("the real Qwen3 tokenizer is not available")
-    from pergola.rerank import QWEN3_RERANKER_INSTRUCTION
+    from pergola.text.rerank import QWEN3_RERANKER_INSTRUCTION
 
     folder = rerank_folders["qwen3-reranker"]
     docs = DOCS[:4]
@@ -674,7 +674,7 @@ def test_body_over_the_limit_is_413(server, tmp_path):
 
 
 def test_no_triton_is_503_with_retry_after(tmp_path):
-    from pergola.server import free_port
+    from pergola.triton.server import free_port
 
     gw = start_gateway(tmp_path, f"127.0.0.1:{free_port()}", ready=False, http=free_port())
     try:
@@ -690,8 +690,8 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
     """What `pergola serve` does: the gateway starts first and clients ask while Triton loads.
     Each failed connection attempt lengthens gRPC's reconnect backoff (its default grows to 120 s),
     so without a cap the first answer could come long after Triton is ready."""
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
     opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
                                                gpu=TEST_DEVICE == "gpu"),
@@ -733,8 +733,8 @@ def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folde
     code 1) and serves the calls they carry meanwhile: the gateway's keep-alive connections to its
     HTTP port end after a few seconds (gateway/triton_http.py), so under steady traffic the server
     still stops with 0, and the gateway answers 503 (retry) once it has gone."""
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
     opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
                                                gpu=TEST_DEVICE == "gpu"),
@@ -804,8 +804,8 @@ def answered(exposition: str, route: str, status: str) -> float:
 
 @pytest.fixture(scope="module")
 def second_server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
     root = tmp_path_factory.mktemp("second")
     repo = build_repository(root / "repo", [entry_from_folder(minilm_folder, "minilm")], gpu=TEST_DEVICE == "gpu")
@@ -826,7 +826,7 @@ def stub_processes(repo: Path) -> list[int]:
 
 def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server, tmp_path, reference):
     """...and the dead replica's stubs end with it: a stub left behind would keep its memory (a
-    GPU's, on a GPU host) from the server that replaces it (triton_io.end_with_server)."""
+    GPU's, on a GPU host) from the server that replaces it (pergola.triton.adapter.end_with_server)."""
     address, proc, repo, http_port = second_server
     assert stub_processes(repo), "no stub found for the second server: the check below would prove nothing"
     gw = start_gateway(tmp_path, f"{server.grpc_url},{address}", "--chunk-texts", "2", "--models", "minilm",

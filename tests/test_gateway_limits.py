@@ -67,7 +67,7 @@ def test_integer_fields_are_numbers_in_range():
 
 
 def test_error_messages_are_cut():
-    from pergola.errors import MESSAGE_CHARS
+    from pergola.text.errors import MESSAGE_CHARS
     from pergola.gateway.errors import GatewayError
     from pergola.gateway.http import error_response
 

@@ -175,7 +175,7 @@ def test_short_requests_tokenize_on_the_loop_and_longer_ones_on_a_thread():
 
 
 def test_a_refusal_on_a_tokenizing_thread_reaches_the_request():
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
     from pergola.gateway.tokenizers import INLINE_CHARS, LocalTokenizers
 
     tokenizers = LocalTokenizers(None, 0, threads=1)

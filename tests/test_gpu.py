@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import BF16_ATOL, TEXTS, cosine_rows, qwen3_folders_or_skip
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.pooling import finish
-from pergola.tokenization import TextTokenizer
+from pergola.outputs.pooling import finish
+from pergola.text.tokenization import TextTokenizer
 
 pytestmark = pytest.mark.gpu
 

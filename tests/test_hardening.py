@@ -21,8 +21,7 @@ import pytest
 
 from conftest import TEXTS, ServeProcess, cosine_rows, describe_processes, running, start_serve
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import fuzz_server  # noqa: E402
+import fuzz_server
 
 EVIL_MODEL = """
 import pathlib
@@ -103,7 +102,7 @@ def test_anonymous_model_upload_runs_no_code(served, tmp_path):
 def test_admin_grpc_apis_refuse_calls_without_the_token(served, tmp_path):
     import tritonclient.grpc as grpcclient
 
-    from pergola.admin import GRPC_ADMIN_HEADER
+    from pergola.triton.admin import GRPC_ADMIN_HEADER
     from tritonclient.utils import InferenceServerException
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
@@ -158,7 +157,7 @@ def test_inference_and_health_stay_open(served, reference):
 
 
 def test_a_second_server_on_the_same_repository_is_refused(served):
-    from pergola.server import free_port
+    from pergola.triton.server import free_port
 
     out = subprocess.run(
         [sys.executable, "-m", "pergola.cli", "serve", "--repo", str(served.repo), "--device", "cpu",
@@ -182,7 +181,7 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
     """Three kills of the encoder's stub in a row under steady traffic: each time the model is
     loaded again on its own (the server is not restarted), it answers again within 15 s, and no
     answer is ever wrong (tests/test_fault_locality.py: the other models meanwhile)."""
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
     from pergola_client import PergolaClient
 
     answers: list[tuple[float, object]] = []
@@ -298,9 +297,9 @@ def test_a_server_whose_memory_runs_away_is_restarted(tmp_path, monkeypatch):
     a minute after a 2^40-element JSON input on the H100 host, where the CPU host aborts at once):
     the supervisor's memory limit turns that into a restart. A process that grows past the limit
     is reported; one under it is watched until it ends."""
-    import pergola.server
-    from pergola.server import server_memory_limit
-    from pergola.supervisor import Supervisor
+    import pergola.triton.server
+    from pergola.triton.server import server_memory_limit
+    from pergola.triton.supervisor import Supervisor
 
     class Live:  # the server answers /v2/health/live: only the memory can end the watch
         def live(self) -> bool:
@@ -312,7 +311,7 @@ def test_a_server_whose_memory_runs_away_is_restarted(tmp_path, monkeypatch):
     assert server_memory_limit(-1) == 0 and server_memory_limit(0.5) == 1 << 29
     assert 0 < server_memory_limit(0) < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     cgroup = tmp_path / "memory.max"  # a container's limit, when lower than the host's, is the one
-    monkeypatch.setattr(pergola.server, "CGROUP_LIMITS", (cgroup,))
+    monkeypatch.setattr(pergola.triton.server, "CGROUP_LIMITS", (cgroup,))
     cgroup.write_text("1073741824\n")
     assert server_memory_limit(0) == 1 << 29
     cgroup.write_text("max\n")
@@ -350,7 +349,7 @@ import subprocess, sys
 from concurrent import futures
 import grpc
 sys.path.insert(0, {PYTHON_MODELS!r})
-from pergola.server import popen_tied
+from pergola.triton.server import popen_tied
 server = grpc.server(futures.ThreadPoolExecutor(2))
 port = server.add_insecure_port("127.0.0.1:0")
 server.start()
@@ -367,7 +366,7 @@ print(sum(c != 0 for c in codes), sorted(set(codes)))
 def test_a_tied_process_ends_with_the_process_that_started_it():
     """popen_tied's child gets SIGTERM when its parent dies (a killed `pergola serve` or test run
     must leave no tritonserver holding ports and a GPU)."""
-    code = (f"import sys; sys.path.insert(0, {PYTHON_MODELS!r}); import time; from pergola.server import popen_tied; "
+    code = (f"import sys; sys.path.insert(0, {PYTHON_MODELS!r}); import time; from pergola.triton.server import popen_tied; "
             "print(popen_tied(['sleep', '120']).pid, flush=True); time.sleep(120)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = None
@@ -387,7 +386,7 @@ def test_a_stub_that_holds_its_gil_for_good_still_ends_with_its_server():
     """A stand-in stub (a child of a stand-in server) calls end_with_server and then blocks
     holding the GIL, as one waiting inside a python_backend metric call on a dead server does:
     the watch thread alone never runs again; the watchdog process ends the stub anyway."""
-    stub = ("import ctypes, sys; sys.path.insert(0, %r); from pergola.triton_io import end_with_server; "
+    stub = ("import ctypes, sys; sys.path.insert(0, %r); from pergola.triton.adapter import end_with_server; "
             "end_with_server(); print('ready', flush=True); ctypes.PyDLL(None).sleep(120)")
     server = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r]); "
               "print(p.pid, flush=True); time.sleep(120)")

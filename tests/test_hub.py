@@ -1,4 +1,4 @@
-"""Hub model ids (pergola.hub) from a Hugging Face cache laid out as huggingface_hub lays it out,
+"""Hub model ids (pergola.config.hub) from a Hugging Face cache laid out as huggingface_hub lays it out,
 offline (HF_HUB_OFFLINE=1): ids, revisions, NAME=ID, what is missing. `pergola serve --model
 ORG/NAME` answering from such a cache is tested in test_metrics_server.py (one server for both)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pergola import cli
-from pergola.hub import ALLOW_PATTERNS, HubError, download, parse_model_id, resolve
+from pergola.config.hub import ALLOW_PATTERNS, HubError, download, parse_model_id, resolve
 
 REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MAIN = "c9745ed1d9f207416be6d2e6f8de32d1f16199bf"  # commit ids: 40 hex digits, as the Hub's

@@ -97,7 +97,7 @@ def test_triton_linear_refuses_an_accumulator_it_cannot_write():
 
 
 def test_engine_config_refuses_a_missing_tile_file(tmp_path):
-    from pergola.config import EngineConfig
+    from pergola.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match="matmul"):
         EngineConfig(model_dir=str(tmp_path), matmul=str(tmp_path / "nope.json"))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pergola.hf_folder import ModelFolderError, load_model_spec
-from pergola.models import build_model
-from pergola.rerank import answer_ids
+from pergola.config.hf_folder import ModelFolderError, load_model_spec
+from pergola.models.loader import build_model
+from pergola.config.reranker import answer_ids
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The encoder's Prometheus counters (pergola.metrics) with a stand-in for the Triton stub's
+"""The encoder's Prometheus counters (pergola.triton.metrics) with a stand-in for the Triton stub's
 metrics API: updates are batched (one stub-to-server round trip per metric per flush, not per
 request), and nothing counted is ever lost."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from pergola.metrics import EncoderMetrics
+from pergola.triton.metrics import EncoderMetrics
 
 
 class FakeMetric:
@@ -92,7 +92,7 @@ def test_close_keeps_the_metric_objects_for_the_process():
 
 
 def test_a_histogram_sends_cumulative_buckets_sum_and_count_and_only_what_moved():
-    from pergola.metrics import Histogram
+    from pergola.triton.metrics import Histogram
 
     FakeFamily.log.clear()
     h = Histogram(FakePbUtils, "pergola_x_seconds", "x", (0.1, 1.0), {"model": "m"})
@@ -129,7 +129,7 @@ def test_the_encoder_observes_each_steps_time_tokens_and_queue_waits():
 def test_while_busy_histograms_go_out_with_every_tenth_flush_and_all_of_them_once_idle():
     from types import SimpleNamespace
 
-    from pergola.metrics import HISTOGRAM_FLUSHES
+    from pergola.triton.metrics import HISTOGRAM_FLUSHES
 
     FakeFamily.log.clear()
     metrics = EncoderMetrics(FakePbUtils, "m", {"graph": "torch_flash"}, flush_s=0.01)
@@ -154,7 +154,7 @@ def test_while_busy_histograms_go_out_with_every_tenth_flush_and_all_of_them_onc
 
 
 def test_a_tokenizer_sends_its_histogram_a_tenth_as_often_and_all_of_it_at_close():
-    from pergola.metrics import HISTOGRAM_FLUSHES, TokenizerMetrics
+    from pergola.triton.metrics import HISTOGRAM_FLUSHES, TokenizerMetrics
 
     metrics = TokenizerMetrics(FakePbUtils, "m_tokenizer", flush_s=0.01)
     metrics.observe(0.001)  # the first goes out at once

@@ -258,7 +258,7 @@ def test_a_gateway_told_to_export_spans_without_the_sdk_refuses_to_start(monkeyp
 
 
 def test_otlp_endpoint_becomes_tritons_trace_flags_and_a_bad_one_is_refused():
-    from pergola.server import ServerOptions, trace_flags
+    from pergola.triton.server import ServerOptions, trace_flags
 
     opts = ServerOptions(repo=Path("."), otlp_endpoint="http://otel:4318/v1/traces", trace_rate=10)
     assert trace_flags(opts)[:2] == ["--trace-config=mode=opentelemetry",

@@ -1,5 +1,5 @@
 """Each option declared once: flags, environment variables, config.pbtxt parameters and the
-table of docs/options.md all come from the dataclass fields (pergola.options)."""
+table of docs/options.md all come from the dataclass fields (pergola.config.options)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from pergola.cli import SERVE_SETS, BuildOptions, options_markdown
-from pergola.config import EngineConfig, TritonModelOptions
+from pergola.config.engine import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
-from pergola.options import declared, env_name, flag_name, value_type
-from pergola.server import ServerOptions
+from pergola.config.options import declared, env_name, flag_name, value_type
+from pergola.triton.server import ServerOptions
 
 OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 CLASSES = [BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions]
@@ -118,21 +118,3 @@ def test_unset_fields_are_none_and_round_trip_through_parameters():
 def test_no_option_is_declared_twice():
     names = [f.name for cls in CLASSES for f in fields(cls) if f.metadata.get("cli")]
     assert len(names) == len(set(names))
-
-
-def test_the_sm_margin_for_queries_needs_their_own_stream():
-    with pytest.raises(ValueError, match="query_sm_margin .* needs query_stream"):
-        EngineConfig(model_dir="/m", query_sm_margin=8)
-    with pytest.raises(ValueError, match="query_sm_margin must be 0"):
-        EngineConfig(model_dir="/m", query_stream=True, query_sm_margin=-1)
-    assert EngineConfig(model_dir="/m", query_stream=True, query_sm_margin=8).query_sm_margin == 8
-
-
-def test_green_contexts_for_queries_need_their_own_stream_and_exclude_the_margin():
-    with pytest.raises(ValueError, match="query_green_sms .* needs query_stream"):
-        EngineConfig(model_dir="/m", query_green_sms=8)
-    with pytest.raises(ValueError, match="query_green_sms must be 0"):
-        EngineConfig(model_dir="/m", query_stream=True, query_green_sms=-8)
-    with pytest.raises(ValueError, match="set one"):
-        EngineConfig(model_dir="/m", query_stream=True, query_green_sms=8, query_sm_margin=8)
-    assert EngineConfig(model_dir="/m", query_stream=True, query_green_sms=8).query_green_sms == 8

@@ -5,10 +5,8 @@ large ones (engine/loop.py). The flood is perf/bench_overload.py's, shortened.""
 from __future__ import annotations
 
 import re
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,16 +14,15 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import TEXTS, cosine_rows
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-from bench_overload import flood, prose  # noqa: E402
+from bench_overload import flood, prose
 
 MAX_QUEUE_SECONDS = 2.0
 
 
 @pytest.fixture(scope="module")
 def busy_server(tmp_path_factory, minilm_folder):
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
     root = tmp_path_factory.mktemp("overload")
     # One torch thread, as on a 2-core host (cores less one): the tests' large requests must take

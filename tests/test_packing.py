@@ -15,7 +15,7 @@ import torch
 from pergola.engine.graphs import GraphCache, seq_buckets, token_buckets
 from pergola.engine.runner import StaticBuffers, host_inputs
 from pergola.layers.attention import AttentionMetadata
-from pergola.pooling import pool
+from pergola.outputs.pooling import pool
 
 MAX_BATCH_SEQS = 8
 MAX_SEQS = MAX_BATCH_SEQS + 1  # as ModelRunner sizes them: + the padding sequence

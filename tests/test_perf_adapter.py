@@ -5,11 +5,8 @@ the gaps between consecutive events."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-from bench_adapter import attach_marks, in_window, pergola_split, read_traces, timeline  # noqa: E402
+from bench_adapter import attach_marks, in_window, pergola_split, read_traces, timeline
 
 
 def trace_entries(trace_id: int, start: int, model: str = "bench_encoder", parent: int | None = None) -> list[dict]:

@@ -3,11 +3,8 @@ steps are cut at each step's device-to-host copy."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-from anatomy import kind_of, step_gaps_us, union_us  # noqa: E402
+from anatomy import kind_of, step_gaps_us, union_us
 
 
 def kernel(ts: float, dur: float, name: str = "k") -> dict:

@@ -5,18 +5,15 @@ command lines take them, with Qwen3's lengths on the GPU and the twins in a dry 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import bench_server  # noqa: E402
-import bench_vllm  # noqa: E402
-from common import ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, arch_model, dry_twin, model_folder  # noqa: E402
+import bench_server
+import bench_vllm
+from common import ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, arch_model, dry_twin, model_folder
 
-from pergola import testing  # noqa: E402
-from pergola.hf_folder import load_model_spec, max_positions  # noqa: E402
+import pergola_testing as testing
+from pergola.config.hf_folder import load_model_spec, max_positions
 
 KINDS = {"bge-m3": ("bert", ("sparse", "colbert")), "gte-modernbert": ("modernbert", ())}
 SHAPE_TABLES = {"make_bge_m3_folder": (testing.XLMR_SHAPES, "xlm-roberta"),

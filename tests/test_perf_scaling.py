@@ -3,13 +3,10 @@ per length, only where N = 1 measured that length."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-from bench_scaling import efficiency  # noqa: E402
+from bench_scaling import efficiency
 
 
 def point(emb_per_s: dict[str, float]) -> dict:

@@ -14,10 +14,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import cosine_rows
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import EncodeLoop, Job
 from pergola.engine.scheduler import LaneQueue
@@ -257,89 +256,18 @@ def test_queries_cannot_starve_bulk_work(engine):
     np.testing.assert_allclose(got["bulk"], alone_bulk, atol=1e-5)
 
 
-class LayerNotDoneFor:
-    """A stand-in for a bulk layer's CUDA event: done after `polls` queries."""
-
-    def __init__(self, polls: int) -> None:
-        self.polls = polls
-
-    def query(self) -> bool:
-        self.polls -= 1
-        return self.polls < 0
-
-
-def test_with_their_own_stream_queries_are_launched_and_answered_while_a_bulk_layer_runs(engine, monkeypatch):
-    """The host's wait for a bulk layer (query_stream): it launches a query that arrived and
-    answers it once done without waiting for the layer, but launches at most one queries' step
-    per bulk layer (their stream's priority would otherwise let a flood of them starve the bulk
-    step). The loop's thread is kept out (its _run does nothing) so the test drives the wait."""
-    monkeypatch.setattr(EncodeLoop, "_run", lambda self: None)
-    loop = EncodeLoop(engine)
-    loop._concurrent = True  # (the CPU has no streams: the runner computes a launched step at once)
-    queries = [ids_request(1, 24 + 8 * i, seed=40 + i) for i in range(2)]
-    answered: list[int] = []
-
-    def answer(i: int) -> None:
-        answered.append(i)
-        if i == 0:  # the next query arrives as soon as the first is answered, in the same layer
-            loop.submit(Job(queries[1], deliver=lambda r: answer(1), fail=print))
-
-    loop.submit(Job(queries[0], deliver=lambda r: answer(0), fail=print))
-    loop._wait_layer(LayerNotDoneFor(polls=3))
-    assert answered == [0] and loop._layers_done == 1  # the second waits for the next layer
-    loop._wait_layer(LayerNotDoneFor(polls=3))
-    assert answered == [0, 1] and loop._layers_done == 2
-    loop._wait_layer(LayerNotDoneFor(polls=0))  # nothing left: the wait only counts the layer
-    assert answered == [0, 1] and not loop._side and loop._layers_done == 3
-    loop.stop()
-
-
-@pytest.mark.skipif(not hasattr(torch._C, "_set_sm_carveout_experimental"), reason="this PyTorch has no SM carveout")
-def test_graphs_are_captured_for_the_sms_they_will_run_on_whatever_margin_queries_hold():
-    """A captured graph replays the kernels chosen at capture for good: the SM margin the loop
-    leaves to queries at that moment must not be recorded into it (cudagraph.sm_carveout(None)),
-    while a green context's lane records the carveout of its own SMs."""
-    from pergola.cudagraph import sm_carveout
-
-    torch._C._set_sm_carveout_experimental(16)
-    try:
-        with sm_carveout(None):
-            assert torch._C._get_sm_carveout_experimental() is None
-        assert torch._C._get_sm_carveout_experimental() == 16  # the loop's margin, back after the capture
-        with sm_carveout(124):  # a lane of 8 SMs on a 132-SM GPU
-            assert torch._C._get_sm_carveout_experimental() == 124
-        assert torch._C._get_sm_carveout_experimental() == 16
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-    with sm_carveout(None):  # no margin: nothing to lift
-        assert torch._C._get_sm_carveout_experimental() is None
-
-
 # --- on a GPU: the query lane's own buffers and graphs, beside or between eager layers ----------
 @pytest.mark.gpu
-@pytest.mark.parametrize("own_stream,margin,green", [(True, 0, 0), (True, 16, 0), (False, 0, 0), (True, 0, 8)],
-                         ids=["own-stream", "own-stream-sm-margin", "one-stream", "green-contexts"])
-def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_factory, own_stream, margin, green):
+def test_on_a_gpu_queries_run_between_bulk_layers_and_change_nothing(tmp_path_factory):
     """Qwen3-0.6B shape, bulk steps of 16k tokens (eager, hooked), queries on lane 1 (graphs
-    captured and replayed from inside the hook), on a stream of their own at high priority (with
-    the bulk matmuls leaving SMs free, or the GPU split in two green contexts, or neither) or in
-    turn with the bulk layers on one stream: each query is delivered before the bulk request, and
-    every result equals its lone computation on lane 0."""
+    captured and replayed from inside the hook), in turn with the bulk layers on one stream: each
+    query is delivered before the bulk request, and every result equals its lone computation on
+    lane 0."""
     from conftest import qwen3_folders_or_skip
 
     folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("lane-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
-    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", query_stream=own_stream,
-                              query_sm_margin=margin, query_green_sms=green))
+    eng = Engine(EngineConfig(model_dir=str(folder), device="cuda:0"))
     assert len(eng.runner.lanes) == 2 and eng.runner.query_lane == 1
-    assert (eng.runner.lanes[1].stream is not None) == own_stream
-    split = eng.runner.sm_split
-    assert (split is not None) == bool(green) and (eng.runner.lanes[0].stream is not None) == bool(green)
-    if green:
-        assert split.query_sms >= green and split.query_sms + split.bulk_sms <= split.total_sms
-        assert [lane.graphs.carveout for lane in eng.runner.lanes] == [split.carveout(False), split.carveout(True)]
-    if own_stream:
-        low, high = torch.cuda.Stream.priority_range()
-        assert eng.runner.lanes[1].stream.priority == high < low
     bulk = ids_request(64, 512, seed=5)  # two 16k-token eager steps
     queries = [ids_request(1, 64 + 32 * i, seed=20 + i) for i in range(6)]
     alone_bulk = eng.encode([bulk])[0]
@@ -375,12 +303,6 @@ def test_on_a_gpu_queries_run_beside_bulk_layers_and_change_nothing(tmp_path_fac
     finally:
         loop.stop()
         eng.runner.layer_hook = hook
-    carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)()
-    if green:  # the bulk's matmuls sized for its green context, for good
-        assert carveout == split.carveout(query=False)
-        torch._C._set_sm_carveout_experimental(None)
-    else:
-        assert carveout in (None, 0)  # the SMs are given back when the loop ends
     assert order[-1] == "bulk", order
     assert eng.runner.lanes[1].graphs.stats.replays > 0
     assert cosine_rows(got["bulk"], alone_bulk).min() >= 0.9999
@@ -431,15 +353,3 @@ def test_idle_time_does_not_count_as_the_next_steps_work(engine):
         loop.stop()
     assert tokens == 16
     assert seconds < 1.5, f"the step's 16 tokens were booked {seconds:.2f} s (the idle time included)"
-
-
-def test_green_contexts_without_cuda_bindings_say_what_to_install(monkeypatch):
-    """The split needs the driver's green-context calls (NVIDIA's cuda-bindings), which PyTorch's
-    wheels do not require: a missing package is named before any CUDA call is made."""
-    import sys
-
-    from pergola.engine.green import split_sms
-
-    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(RuntimeError, match="pip install cuda-bindings"):
-        split_sms(torch.device("cuda:0"), 8)

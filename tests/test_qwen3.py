@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import TEXTS, cosine_rows, qwen3_folders_or_skip
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.hf_folder import load_model_spec
-from pergola.pooling import finish
-from pergola.testing import EOS_ID, QUERY_PROMPT
-from pergola.tokenization import TextTokenizer
+from pergola.config.hf_folder import load_model_spec
+from pergola.outputs.pooling import finish
+from pergola_testing import EOS_ID, QUERY_PROMPT
+from pergola.text.tokenization import TextTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from pergola.repo_builder import build_repository, entry_from_folder
+from pergola.triton.repo_builder import build_repository, entry_from_folder
 
 
 def encoder_groups(repo: Path, name: str) -> list[model_config_pb2.ModelInstanceGroup]:
@@ -69,8 +69,7 @@ def test_the_encoder_queue_has_no_policy_unless_asked(tmp_path, minilm_folder, r
     """Triton 2.51's dynamic batcher prefetches the next batch while execute() runs only when the
     queue has no policy (scheduler_utils.cc: max_queue_size 0, default timeout 0, no override).
     Without prefetching, a request that arrives during an execute() waits for the batcher's 500 ms
-    idle timeout: 7 and 3 of 480 requests from 2-4 concurrent clients on the CPU (perf/experiments/
-    bench_queue_policy.py), none with the default below."""
+    idle timeout (perf/results/2026-12-05-2888e8b-cpu/NOTES.md), none with the default below."""
     entries = [entry_from_folder(minilm_folder, "mini", **settings),
                entry_from_folder(rerank_folders["cross-encoder"], "ce", **settings)]
     repo = build_repository(tmp_path / "repo", entries, gpu=False)

@@ -14,10 +14,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import MAX_TEXTS, TEST_DEVICE
-from pergola.config import EngineConfig
+from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
-from pergola.heads import activate
-from pergola.rerank import RerankTokenizer
+from pergola.outputs.heads import activate
+from pergola.text.rerank import RerankTokenizer
 
 QUERY = "what is the capital of France?"
 DOCS = [

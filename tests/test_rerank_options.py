@@ -1,4 +1,4 @@
-"""What pergola.rerank owns besides tokenization (the reranker kind, the ranking, TOP_N), and the
+"""What pergola.text.rerank owns besides tokenization (the reranker kind, the ranking, TOP_N), and the
 typed options the Triton adapters decode from a request. CPU, no server."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pergola.errors import RequestError
-from pergola.hf_folder import ModelFolderError, load_model_spec
-from pergola.rerank import RerankOptions, answer_ids, rank, reranker_kind
-from pergola.triton_io import EmbedOptions, embed_options, rerank_options
+from pergola.text.errors import RequestError
+from pergola.config.hf_folder import ModelFolderError, load_model_spec
+from pergola.config.reranker import answer_ids, reranker_kind
+from pergola.text.rerank import RerankOptions, rank
+from pergola.triton.adapter import EmbedOptions, embed_options, rerank_options
 
 
 def test_rank_is_best_first_with_ties_in_input_order():

@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from conftest import TEXTS
-from pergola.config import EngineConfig
-from pergola.errors import RequestError
-from pergola.hf_folder import load_model_spec
-from pergola.rerank import (
+from pergola.config.engine import EngineConfig
+from pergola.text.errors import RequestError
+from pergola.config.hf_folder import load_model_spec
+from pergola.text.rerank import (
     QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_PREFIX,
     QWEN3_RERANKER_SUFFIX,
     RerankEncoded,
     RerankTokenizer,
 )
-from pergola.testing import EOS_ID, TokenizerUnavailable, make_cross_encoder_folder, make_qwen3_reranker_folder
+from pergola_testing import EOS_ID, TokenizerUnavailable, make_cross_encoder_folder, make_qwen3_reranker_folder
 
 QUERY = "What is the capital of France?"
 # The embedding tests' texts, with the long one doubled so that pairs are cut at 512 tokens.
@@ -287,7 +287,7 @@ def test_qwen3_reranker_folder_loads(qwen_folder, qwen_tok):
 def test_long_documents_are_cut_before_tokenization_with_the_same_ids(request, monkeypatch, kind, document):
     """Only a covering prefix of a long document is tokenized; the pair ids equal those of the
     whole document tokenized and cut (the reference: the same tokenizer with prefixes off)."""
-    import pergola.tokenization as tokenization
+    import pergola.text.tokenization as tokenization
 
     folder = request.getfixturevalue("ce_folder" if kind == "cross-encoder" else "qwen_folder")
     tok = RerankTokenizer(load_model_spec(folder, task="rerank"), kind,

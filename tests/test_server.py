@@ -120,7 +120,7 @@ def test_server_metrics_endpoint(server, client):
 
 def test_server_metrics_catch_up_after_a_burst(server, client):
     """Counters are sent at most once a second; what a burst leaves behind arrives once the
-    encode loop has been idle for a second, without another request (pergola.metrics)."""
+    encode loop has been idle for a second, without another request (pergola.triton.metrics)."""
     import re
     import time
     import urllib.request
@@ -147,7 +147,7 @@ def test_wait_ready_waits_for_the_metrics_port_too():
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from pergola.server import free_port, wait_ready
+    from pergola.triton.server import free_port, wait_ready
 
     class Ok(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name

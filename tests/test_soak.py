@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import soak  # noqa: E402
+import soak
 
 pytestmark = [pytest.mark.server, pytest.mark.soak]
 MINUTES = float(os.environ.get("PERGOLA_SOAK_MINUTES", "10"))

@@ -13,10 +13,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import TEXTS
-from pergola.config import EngineConfig
-from pergola.hf_folder import load_model_spec
-from pergola.rerank import RerankTokenizer
-from pergola.tokenization import TextTokenizer, truncate_mode
+from pergola.config.engine import EngineConfig
+from pergola.config.hf_folder import load_model_spec
+from pergola.text.rerank import RerankTokenizer
+from pergola.text.tokenization import TextTokenizer, truncate_mode
 
 LONG = {
     "english": "The quick brown fox jumps over the lazy dog, again and again. " * 20_000,
@@ -136,7 +136,7 @@ def test_start_keeps_the_prompt(tok):
 
 @pytest.mark.parametrize("kind", sorted(LONG))
 def test_a_long_text_is_refused_without_truncation(tok, kind):
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
 
     if len(whole_then_truncate(tok, LONG[kind])) < tok.spec.max_seq_length:
         pytest.skip("this text is short in tokens for this vocabulary (one [UNK])")
@@ -147,7 +147,7 @@ def test_a_long_text_is_refused_without_truncation(tok, kind):
 
 
 def test_none_refuses_over_max_tokens_and_names_the_limit(tok):
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
 
     assert not tok.encode([TEXTS[0]], truncate="NONE", max_tokens=10**6).truncated.any()
     with pytest.raises(RequestError, match=r"TEXT\[1\] has more than 6 tokens, over this request's limit of 6 "
@@ -169,7 +169,7 @@ def test_truncate_modes_and_their_bool_form(value, expected):
 
 
 def test_an_unknown_truncate_mode_is_refused():
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
 
     with pytest.raises(RequestError, match=r"TRUNCATE_MODE='LEFT' is not a truncation mode; send NONE"):
         truncate_mode("LEFT")
@@ -242,7 +242,7 @@ def test_cross_encoder_modes_match_transformers(cross_encoder, mode, max_documen
 
 
 def test_cross_encoder_none_and_instruction_are_refused(cross_encoder):
-    from pergola.errors import RequestError
+    from pergola.text.errors import RequestError
 
     tok, _ = cross_encoder
     with pytest.raises(RequestError, match=r"DOCUMENTS\[0\] has more than 7 tokens, over this request's limit "
@@ -268,7 +268,7 @@ def qwen3_reranker(rerank_folders):
 def test_qwen3_reranker_modes_and_instruction(qwen3_reranker, mode, instruction):
     """The official prompt with this request's instruction; END cuts the body's end (the
     reference's truncation), START keeps the instruction and query and the document's end."""
-    from pergola.rerank import QWEN3_RERANKER_INSTRUCTION, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
+    from pergola.text.rerank import QWEN3_RERANKER_INSTRUCTION, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
 
     tok, hf = qwen3_reranker
     enc = tok.encode(RERANK_QUERY, RERANK_DOCS, truncate=mode, instruction=instruction)

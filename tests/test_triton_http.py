@@ -183,7 +183,7 @@ def test_a_slow_answer_is_a_deadline_error():
 
 
 def test_a_refused_connection_names_the_option():
-    from pergola.server import free_port
+    from pergola.triton.server import free_port
 
     async def main():
         client = TritonHTTP(f"127.0.0.1:{free_port()}")

@@ -69,7 +69,7 @@ class PergolaClient:
         """api_key: the server's key when `pergola serve --api-key` put inference behind it."""
         self.protocol = protocol
         self.model = model
-        # Triton's restricted-API header (gRPC: metadata with Triton's prefix); pergola.admin names it
+        # Triton's restricted-API header (gRPC: metadata with Triton's prefix); pergola.triton.admin names it
         header = "pergola-api-key" if protocol == "http" else "triton-grpc-protocol-pergola-api-key"
         self._headers = {header: api_key} if api_key else None
         self._tc = _protocol_module(protocol)

@@ -5,8 +5,8 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.classify import ClassifyTokenizer
-from pergola.triton_io import (RequestInputs, TokenizerAdapter, classify_options, error_response, read_truncation,
+from pergola.text.classify import ClassifyTokenizer
+from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, classify_options, inference_error, read_truncation,
                                required_strings)
 
 
@@ -25,7 +25,7 @@ class TritonPythonModel(TokenizerAdapter):
             started = time.perf_counter()
             enc = self.tokenizer.encode(texts, pairs, truncate=read_truncation(inputs, request, self.cfg.truncate))
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
-            return error_response(pb_utils, e)
+            return inference_error(pb_utils, e)
         return self._respond(pb_utils, enc, started, {
             "TOKEN_TYPE_IDS": enc.token_type_ids[None, :],
             "RAW_SCORES_OUT": np.array([[options.raw_scores]], dtype=bool),

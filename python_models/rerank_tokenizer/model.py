@@ -5,9 +5,9 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.errors import RequestError
-from pergola.rerank import RerankTokenizer
-from pergola.triton_io import (RequestInputs, TokenizerAdapter, error_response, optional_count, optional_single,
+from pergola.text.errors import RequestError
+from pergola.text.rerank import RerankTokenizer
+from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, inference_error, optional_count, optional_single,
                                read_truncation, required_strings, rerank_options)
 
 
@@ -32,7 +32,7 @@ class TritonPythonModel(TokenizerAdapter):
                 instruction=optional_single(inputs, request, "INSTRUCTION"),  # checked by encode()
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
-            return error_response(pb_utils, e)
+            return inference_error(pb_utils, e)
         return self._respond(pb_utils, enc, started, {
             "TOKEN_TYPE_IDS": enc.token_type_ids[None, :],
             "TOP_N_OUT": np.array([[options.top_n]], dtype=np.int32),

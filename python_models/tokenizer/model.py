@@ -1,13 +1,13 @@
 """Triton adapter for <name>_tokenizer: TEXT (+ options) -> flat token ids for the encoder; with
-CHUNK_SIZE, the texts cut into windows (`chunking`, pergola.chunking)."""
+CHUNK_SIZE, the texts cut into windows (`chunking`, pergola.text.chunking)."""
 
 import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pergola.tokenization import TextTokenizer
-from pergola.triton_io import (RequestInputs, TokenizerAdapter, embed_options, error_response, optional_count,
+from pergola.text.tokenization import TextTokenizer
+from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, embed_options, inference_error, optional_count,
                                optional_scalar, read_truncation, required_strings)
 
 
@@ -31,7 +31,7 @@ class TritonPythonModel(TokenizerAdapter):
         ])
 
     def _chunks(self, request, inputs: RequestInputs, texts: list) -> "pb_utils.InferenceResponse":
-        """Asked with CHUNK_SIZE (the gateway's `chunking`): the texts cut into windows (pergola.chunking)."""
+        """Asked with CHUNK_SIZE (the gateway's `chunking`): the texts cut into windows (pergola.text.chunking)."""
         self.trimmer.after(sum(map(len, texts)) * 16)  # the texts' tokens and offsets, and the windows'
         started = time.perf_counter()
         out = self.tokenizer.chunk(texts, size=optional_count(inputs, request, "CHUNK_SIZE"),
@@ -63,7 +63,7 @@ class TritonPythonModel(TokenizerAdapter):
                 max_tokens=optional_count(inputs, request, "MAX_TOKENS"),
             )
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
-            return error_response(pb_utils, e)
+            return inference_error(pb_utils, e)
         return self._respond(pb_utils, enc, started, {
             "PROMPT_LENGTHS": enc.prompt_lengths[None, :],
             "DIMENSIONS_OUT": np.array([[options.dimensions]], dtype=np.int32),

@@ -13,12 +13,12 @@ from typing import Callable, Hashable, Mapping
 import numpy as np
 import torch
 
-from pergola.chunking import SpanPlan
-from pergola.config import EngineConfig
+from pergola.text.chunking import SpanPlan
+from pergola.config.engine import EngineConfig
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.runner import ModelRunner
 from pergola.engine.scheduler import Step, WorkQueue
-from pergola.errors import RequestError
+from pergola.text.errors import RequestError
 
 
 @dataclass
@@ -30,7 +30,7 @@ class EncodeRequest:
     # [T, columns] fp32, given to get bge-m3's per-token outputs: the first columns of the runner's
     # per-token rows (token_outputs.row_width), filled as its steps finish.
     token_rows: np.ndarray | None = None
-    # Late chunking (pergola.chunking.SpanPlan): [T] int64, each token's atom (-1: none), and
+    # Late chunking (pergola.text.chunking.SpanPlan): [T] int64, each token's atom (-1: none), and
     # [atoms, hidden] fp32, the sums of each atom's last hidden states, filled as its steps finish.
     segments: np.ndarray | None = None
     segment_sums: np.ndarray | None = None
@@ -146,7 +146,7 @@ class Engine:
         return lazy
 
     def late_request(self, req: EncodeRequest, spans: np.ndarray) -> SpanPlan:
-        """Make `req` (validated) carry late chunking's CHUNK_SPANS (pergola.chunking): its atoms,
+        """Make `req` (validated) carry late chunking's CHUNK_SPANS (pergola.text.chunking): its atoms,
         and room for their sums. RequestError for a model that is not an embedder, or bad spans."""
         if self.spec.task != "embed":
             raise RequestError(f"CHUNK_SPANS (late chunking) is for embedding models; this one is a {self.spec.task} "
@@ -171,7 +171,7 @@ class Engine:
 
     def encode(self, requests: list[EncodeRequest], lane: int = 0) -> list[np.ndarray]:
         """-> one [n_i, out_dim] fp32 array per request: pooled embeddings (not yet truncated or
-        normalised), or a reranker's or classifier's logits (pergola.heads.activate). Synchronous; the server runs the same steps from
+        normalised), or a reranker's or classifier's logits (pergola.outputs.heads.activate). Synchronous; the server runs the same steps from
         its own loop (engine/loop.py)."""
         width = self.runner.out_dim
         results = [np.empty((r.lengths.size, width), dtype=np.float32) for r in requests]
@@ -201,7 +201,7 @@ def scatter(step: Step, lazy: LazyTensor, results: Mapping[Hashable, np.ndarray]
 
 def step_atoms(step: Step, request_of: Callable[[Hashable], EncodeRequest | None]) -> list[tuple[int, int, int]]:
     """Per sequence of the step, (its first atom in its request, its first row in the step's
-    atom sums, its atoms): late chunking's atoms (pergola.chunking.SpanPlan) lie inside one
+    atom sums, its atoms): late chunking's atoms (pergola.text.chunking.SpanPlan) lie inside one
     sequence and are numbered in token order, so a sequence's are one run of numbers."""
     out, base = [], 0
     for s in step.seqs:

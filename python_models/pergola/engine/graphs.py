@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from pergola.cudagraph import capture
+from pergola.layers.cudagraph import capture
 
 log = logging.getLogger("pergola.graphs")
 
@@ -60,8 +60,7 @@ class GraphStats:
 class GraphCache:
     """Lazy capture + replay of `forward()` over static buffers that the runner fills in place."""
 
-    def __init__(self, forward: Callable[[int, int], None], max_graph_tokens: int, max_seqs: int,
-                 stream: torch.cuda.Stream | None = None, carveout: int | None = None) -> None:
+    def __init__(self, forward: Callable[[int, int], None], max_graph_tokens: int, max_seqs: int) -> None:
         self.forward = forward  # forward(num_seqs_bucket, num_tokens_bucket): reads/writes static buffers
         self.tokens = token_buckets(max_graph_tokens)
         self.seqs = seq_buckets(max_seqs)
@@ -70,10 +69,6 @@ class GraphCache:
         self.seen: set[tuple[int, int]] = set()
         self.uncapturable: set[tuple[int, int]] = set()  # keys whose capture failed: eager from then on
         self.stats = GraphStats()
-        # Where captures run; None: a side stream of the primary context. A green context's lane
-        # captures on its own stream, since a captured kernel keeps the context it was captured in,
-        # with its kernels sized for that context's SMs (`carveout`: those outside it).
-        self.stream, self.carveout = stream, carveout
 
     def key_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """Bucket key, or None when the step should run eagerly (over the crossover)."""
@@ -101,7 +96,7 @@ class GraphCache:
             return "warmup"
         graph = torch.cuda.CUDAGraph()
         try:
-            capture(graph, lambda: self.forward(*key), self.pool, self.stream, self.carveout)
+            capture(graph, lambda: self.forward(*key), self.pool)
         except Exception as e:  # noqa: BLE001 - computed eagerly instead; a poisoned device fails there
             self.uncapturable.add(key)
             self.stats.failed_captures += 1

@@ -10,12 +10,8 @@ at most the step in flight, and with the query lane (`query_tokens`) about one l
 step runs between two layers of the bulk step (`_between_layers`; on the H200 under 100 x 512-token
 bulk requests a 128-token query took 3.90 ms p50, against 84.4 ms with one lane, perf/RESULTS.md
 "Mixed traffic"). Run in turn, each query costs the bulk work ~2 ms of an H100's time, about its
-whole batch-1 forward, which leaves most SMs idle. The experimental `query_stream` runs the queries'
-step on a stream of its own, beside the bulk layers instead of between them, and `query_sm_margin`
-has the bulk matmuls leave SMs free for it meanwhile (without a margin a query on its own stream
-waited 14.8 ms in process: the bulk kernels hold the SMs until they end). Between steps it also
-drops requests whose client has gone (a
-cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
+whole batch-1 forward, which leaves most SMs idle. Between steps it also drops requests whose
+client has gone (a cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
 once when the queued work would take longer than `max_queue_seconds` at the measured
 throughput (but for work the gateway admitted, which weighed it before any work), or than the
 request's own timeout: load is shed by work, not by request count.
@@ -37,7 +33,7 @@ import torch
 from pergola.engine import EncodeRequest, Engine, file_rows
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.scheduler import LaneQueue, Step
-from pergola.memory import HeapTrimmer
+from pergola.triton.memory import HeapTrimmer
 
 log = logging.getLogger("pergola.engine")
 
@@ -50,12 +46,6 @@ LAYERS_AHEAD = 1
 # leaving it idle (bulk alone ran at 1,060 emb/s with the host held back on every layer, against
 # 1,100 without, 100 x 512 on the H200, perf/results/2026-12-04-c60177f).
 FREE_LAST_LAYERS = 3
-# With the queries' own stream (query_stream), how often the host, waiting for a bulk layer,
-# looks for a query step that finished (to answer it) or a new query (to launch it).
-POLL_S = 50e-6
-# With query_sm_margin: how long after a query's step was launched the bulk matmuls keep leaving
-# SMs free (sequential queries come a client's round trip apart).
-MARGIN_HOLD_S = 0.02
 
 
 class Overloaded(RuntimeError):
@@ -79,7 +69,7 @@ class Job:
     fail: Callable[[BaseException], None]
     cancelled: Callable[[], bool] = lambda: False
     deadline: float | None = None  # time.monotonic() after which the client no longer waits
-    admitted: bool = False  # the gateway admitted it (pergola.triton_io.admitted): only its deadline refuses it
+    admitted: bool = False  # the gateway admitted it (pergola.triton.adapter.admitted): only its deadline refuses it
     result: np.ndarray = field(init=False)
     rows_left: int = field(init=False)
     checked_at: float = 0.0
@@ -136,24 +126,13 @@ class EncodeLoop:
         self.answered_at_once = 0  # queries run_now computed
         self._layers = int(engine.spec.hf_config.get("num_hidden_layers") or 0)
         self._layer = 0  # layers of the bulk step in flight launched so far
-        # Queries' steps run beside the bulk step on their own stream (runner: Lane.stream).
-        lanes = engine.runner.lanes
-        self._concurrent = len(lanes) > 1 and lanes[1].stream is not None
-        self._layers_done = 0  # bulk layers the device has finished (seen by the host's waits)
-        self._query_launched_at = -1  # _layers_done when the latest query step was launched
-        self._sm_margin = cfg.query_sm_margin if self._concurrent else 0
-        if self._sm_margin and not hasattr(torch._C, "_set_sm_carveout_experimental"):
-            raise RuntimeError(f"query_sm_margin needs PyTorch's SM carveout, which torch {torch.__version__} "
-                               "lacks (torch._C._set_sm_carveout_experimental); set it to 0")
-        self._margin_on = False
-        self._query_at = 0.0  # time.perf_counter() when the latest queries' step was launched
         self._jobs: dict[int, Job] = {}
         self._keys = itertools.count()
         self._cond = threading.Condition()
         self._stopping = False
         self._busy_since = time.perf_counter()
         # Host memory freed by steps of varying shapes is given back every few seconds of work
-        # and when the queue runs dry (pergola/memory.py); a token counts as 4 KB of churn.
+        # and when the queue runs dry (pergola/triton/memory.py); a token counts as 4 KB of churn.
         self._trimmer = HeapTrimmer(every_bytes=256 << 20, every_s=10.0)
         self._measure()
         if cfg.query_tokens:
@@ -203,7 +182,7 @@ class EncodeLoop:
 
     def _admit(self, job: Job, tokens: int) -> None:
         """Refuse a request whose wait would pass max_queue_seconds (unless the gateway admitted
-        it: pergola.triton_io.admitted) or its own deadline. Its wait is the work that runs
+        it: pergola.triton.adapter.admitted) or its own deadline. Its wait is the work that runs
         before it (least work first): a query is not refused because bulk work is queued, only
         if it could not be served in time itself."""
         rate, ahead = self.throughput.tokens_per_s, self._queue.work_ahead(tokens)
@@ -223,7 +202,7 @@ class EncodeLoop:
         so that admission works from the first request of a flood. On the CPU, quarter steps: a
         step's tokens per second hardly depend on its size there (MiniLM, one thread: 680-1,040
         tokens/s at 256 and 1,024 tokens), and the two full steps took 2.3 s of every start and of
-        every reload after a crash (pergola/supervisor.py), 4-5 s on a busy 2-core host."""
+        every reload after a crash (pergola/triton/supervisor.py), 4-5 s on a busy 2-core host."""
         budget, length = self.engine.cfg.step_tokens, min(128, self.engine.spec.max_seq_length)
         if self.engine.device.type != "cuda":
             budget = max(length, budget // 4)
@@ -282,7 +261,6 @@ class EncodeLoop:
                 launched = None
             inflight = launched
             self._collect_queries(block=inflight is None)
-        self._set_margin(False)
         for job in leftover:
             job.fail(Unloading("the model was unloaded before this request was computed; retry"))
 
@@ -292,7 +270,6 @@ class EncodeLoop:
         work that arrives while a callback runs finds `woken()` true at once, and the idle time
         must not count as the next step's (once it did, admission saw 2 tokens/s and refused)."""
         self._trimmer.now()
-        self._set_margin(False)
         self._idle_callback()
         answered = self.answered_at_once
         while not self._wait(woken, timeout=1.0):
@@ -324,14 +301,12 @@ class EncodeLoop:
         """A bulk step: queries may be served between its layers (`_between_layers`)."""
         self._layer_events.clear()
         self._layer = 0
-        self._steer_margin()
         return self.engine.launch(step, requests, hooked=True)
 
     # --- the query lane ---------------------------------------------------------------
     def _launch_query(self, step: Step, requests: dict) -> None:
         """Launch a queries' step on the runner's query lane, beside the main pipeline; it is
         collected as soon as it is done (`_collect_queries`), not behind the bulk step."""
-        self._query_at = time.perf_counter()
         try:
             self._side.append((step, self.engine.launch(step, requests, lane=self.engine.runner.query_lane)))
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
@@ -352,24 +327,19 @@ class EncodeLoop:
 
         Keeps the host at most LAYERS_AHEAD layers ahead of the device (but for the step's last
         FREE_LAST_LAYERS), so that a query's step launched here runs after about that many layers
-        instead of after the whole bulk step (on its own stream: at once), and the host sees new
+        instead of after the whole bulk step, and the host sees new
         queries within about a layer;
         delivers the queries' steps that are done, and launches the next one (one at a time,
         and at most one per bulk layer, so queries cannot starve bulk work)."""
         self._layer += 1
-        if self._side and not self._concurrent:
+        if self._side:
             self._collect_queries(block=True)  # launched a layer ago: it is next on the device
         elif self.engine.device.type == "cuda" and self._layer < self._layers - FREE_LAST_LAYERS:
             event = torch.cuda.Event()
             event.record()
             self._layer_events.append(event)
             if len(self._layer_events) > LAYERS_AHEAD:
-                self._wait_layer(self._layer_events.popleft())
-        if self._concurrent:
-            self._collect_queries()
-            self._launch_beside()
-            self._steer_margin()
-            return
+                self._layer_events.popleft().synchronize()
         if not self._queue.has_queries or self._stopping:
             return
         with self._cond:
@@ -378,46 +348,6 @@ class EncodeLoop:
         if step is not None:
             self._launch_query(step, requests)
             self._collect_queries()  # on a CPU it is done already
-
-    def _wait_layer(self, event: torch.cuda.Event) -> None:
-        """Wait for a bulk layer; with the queries' own stream, answer and launch queries meanwhile
-        (a query need not wait for the layer to end to start, nor its answer for the host)."""
-        if not self._concurrent:
-            event.synchronize()
-        else:
-            while not event.query():
-                self._collect_queries()
-                self._launch_beside()
-                time.sleep(POLL_S)
-        self._layers_done += 1
-
-    def _steer_margin(self) -> None:
-        """With query_sm_margin: the next bulk matmuls leave that many SMs free while queries are
-        about, all SMs otherwise (cuBLAS reads the target when a matmul is launched)."""
-        if not self._sm_margin:
-            return
-        self._set_margin(bool(self._side) or self._queue.has_queries
-                         or time.perf_counter() - self._query_at < MARGIN_HOLD_S)
-
-    def _set_margin(self, on: bool) -> None:
-        if on != self._margin_on:
-            torch._C._set_sm_carveout_experimental(self._sm_margin if on else None)
-            self._margin_on = on
-
-    def _launch_beside(self) -> None:
-        """Launch the next queries' step beside the bulk step: one at a time, and only once the
-        bulk step has finished a layer since the last one was launched. Queries' kernels take SMs
-        first (a higher stream priority), so this is what keeps a flood of them from starving bulk
-        work: it still moves at least a layer per queries' step, as with one stream."""
-        if self._side or self._layers_done == self._query_launched_at or self._stopping \
-                or not self._queue.has_queries:
-            return
-        with self._cond:
-            step = self._queue.next_query_step()
-            requests = self._requests_of(step)
-        if step is not None:
-            self._query_launched_at = self._layers_done
-            self._launch_query(step, requests)
 
     def _wait(self, woken: Callable[[], bool], timeout: float | None = None) -> bool:
         """Sleep until there is work (or shutdown); False if `timeout` passed first."""

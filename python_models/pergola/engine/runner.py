@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
@@ -19,18 +19,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pergola.config import DTYPES, EngineConfig
+from pergola.config.engine import DTYPES, EngineConfig
 from pergola.engine.graphs import GraphCache
-from pergola.engine.green import SmSplit, split_sms
 from pergola.engine.lazy import LazyTensor
-from pergola.heads import HEAD_TASKS
-from pergola.hf_folder import ModelSpec
+from pergola.outputs.heads import HEAD_TASKS
+from pergola.config.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for
-from pergola.models import build_model
-from pergola.pooling import TokenHeads, pool
+from pergola.models.loader import build_model
+from pergola.outputs.pooling import TokenHeads, pool
 
 log = logging.getLogger("pergola.runner")
 
@@ -132,21 +131,13 @@ class Lane:
     captured over them, the pinned result buffers and each graph key's attention plan. Lane 0
     takes every step; with `query_tokens` set, lane 1 takes queries' small steps, which may run
     between the layers of a lane-0 step in flight (engine/loop.py), so it must not touch lane 0's
-    buffers. With `query_stream` lane 1 has a CUDA stream of its own at the highest priority:
-    its kernels run beside the bulk step's, taking SMs as the bulk kernels' blocks finish,
-    instead of after them; without it both lanes share the current stream. With `query_green_sms`
-    each lane's stream lies in a green context of its own SMs (engine/green.py)."""
+    buffers. Both lanes issue their work on the thread's current stream."""
 
     buffers: StaticBuffers
     graphs: GraphCache | None
     results: list[torch.Tensor]  # two pinned [max_seqs, out_dim] buffers, used in turn
     plans: dict[tuple[int, int], object | None]
-    stream: torch.cuda.Stream | None = None  # None: the thread's current stream
     next_result: int = 0
-
-    def on_stream(self):
-        """Context in which this lane's work is issued (inputs, plan, forward, copy back)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
 
 class ModelRunner:
@@ -183,8 +174,6 @@ class ModelRunner:
         self._hook_armed = self._in_hook = False
         self._plain_results: list[torch.Tensor] = []  # a GPU without lanes (padded backends): pinned results
         use_lanes = device.type == "cuda" and not self.attn.needs_padding
-        # query_green_sms: the lanes' streams in green contexts of their own (engine/green.py).
-        self.sm_split = self._split_sms() if use_lanes and cfg.query_green_sms else None
         if use_lanes:
             self.lanes.append(self._lane(max(cfg.step_tokens, spec.max_seq_length), 0))
             if cfg.query_tokens:
@@ -197,37 +186,15 @@ class ModelRunner:
     def _lane(self, max_tokens: int, index: int) -> Lane:
         max_seqs = self.cfg.max_batch_seqs + 1  # + the padding sequence
         buffers = StaticBuffers(max_tokens, max_seqs, self.out_dim, self.device, self.token_width)
-        stream = carveout = None
-        if self.sm_split is not None:
-            stream, carveout = self.sm_split.query if index else self.sm_split.bulk, self.sm_split.carveout(index > 0)
-        elif index > 0 and self.cfg.query_stream:
-            _, highest = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers win
-            stream = torch.cuda.Stream(self.device, priority=highest)
         graphs = None
-        # Graphs only where every graph-step kernel declares itself graph-safe. A green context's lane
-        # captures on its own stream (a captured kernel keeps its context), sized for its SMs.
+        # Graphs only where every graph-step kernel declares itself graph-safe.
         graph_safe = all(attn.graph_safe for _, attn in self.graph_attn)
         if graph_safe and not self.cfg.enforce_eager and self.cfg.cuda_graph_max_tokens > 0:
             graphs = GraphCache(partial(self._static_forward, index), min(self.cfg.cuda_graph_max_tokens, max_tokens),
-                                max_seqs, stream if self.sm_split is not None else None, carveout)
+                                max_seqs)
         # Two pinned result buffers: step N+1's result lands in one while step N's is read.
         results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
-        return Lane(buffers, graphs, results, {}, stream)
-
-    def _split_sms(self) -> SmSplit:
-        """The green-context split, with the bulk's matmuls sized for its SMs: cuBLAS and the persistent
-        Triton tiles size their grids by the SM count, and a grid for every SM on fewer SMs runs a
-        second, mostly empty wave (PyTorch's SM carveout, process-wide; each lane's graphs are captured
-        with its own context's, GraphCache.carveout)."""
-        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-            raise RuntimeError(f"query_green_sms sizes the bulk matmuls with PyTorch's SM carveout, which torch "
-                               f"{torch.__version__} lacks (torch._C._set_sm_carveout_experimental); set it to 0")
-        split = split_sms(self.device, self.cfg.query_green_sms)
-        torch._C._set_sm_carveout_experimental(split.carveout(query=False))
-        torch.cuda.synchronize(self.device)  # the weights, copied on the default stream, before other streams read them
-        log.info("SMs split with green contexts: %d for queries, %d for bulk steps (of %d)", split.query_sms,
-                 split.bulk_sms, split.total_sms)
-        return split
+        return Lane(buffers, graphs, results, {})
 
     def _between_layers_hooks(self) -> None:
         """Call `layer_hook` after each transformer layer of an armed (lane-0 eager) step: the
@@ -333,7 +300,7 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
 
     def _with_segments(self, b: BatchInputs, segments: np.ndarray | None) -> BatchInputs:
-        """`b` with late chunking's atoms ([T] int64, -1: none; pergola.chunking), when the step has any."""
+        """`b` with late chunking's atoms ([T] int64, -1: none; pergola.text.chunking), when the step has any."""
         if segments is None:
             return b
         count = int(segments.max()) + 1
@@ -402,9 +369,7 @@ class ModelRunner:
                 b = self._with_segments(self.prepare(input_ids, lengths, skips, token_types), segments)
                 pooled, rows, sums = self.forward(b)
                 return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None, segments=sums)
-        ln = self.lanes[lane]
-        with ln.on_stream():
-            return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns, segments)
+        return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns, segments)
 
     def _lane_step(self, lane: int, input_ids: np.ndarray, lengths: np.ndarray, skips: np.ndarray | None,
                    token_types: np.ndarray | None, hooked: bool, token_columns: int,

@@ -38,7 +38,7 @@ over its rate is the wait one process would compute for the whole. When load mov
 faster than WINDOW_S, a worker's estimate is off for a while; what it admits meanwhile is still
 bounded by the request timeout (the encoder drops work that cannot finish by its deadline: 504).
 
-Admitted work is marked (pergola.triton_io.ADMITTED): the encoder then does not refuse it for its
+Admitted work is marked (pergola.triton.adapter.ADMITTED): the encoder then does not refuse it for its
 queue (which would count the request's own chunks as work ahead of it), only for its deadline.
 The best rate measured is what a 413 is judged by; a cold start's slow first answers (a GPU
 capturing its graphs) can, until faster ones come, refuse a request that would just fit.
@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pergola.chunking import window_count
+from pergola.text.chunking import window_count
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 
@@ -146,7 +146,7 @@ class Load:
     def windowed(self, chars: Sequence[int], size: int | None, overlap: int) -> int:
         """Tokens encoded for inputs of `chars` characters cut into windows of `size` text tokens
         (None: the model's limit, as far as answers have shown it) sharing `overlap` (chunking,
-        pergola.chunking): every window's tokens, its shared ones and special tokens included."""
+        pergola.text.chunking): every window's tokens, its shared ones and special tokens included."""
         size = size or (self.cap or DEFAULT_LIMIT) - SPECIAL_TOKENS
         total = 0
         for c in chars:

@@ -28,12 +28,13 @@ from starlette.routing import Route
 
 from pergola.gateway import (classify_api, cohere_api, connections, metrics, openai_api, rerank_api, tei_api,
                              tracing, triton_metrics, vllm_api)
+from pergola.config.settings import external
 from pergola.gateway.admission import CancelOnDisconnect
 from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Body, Keys, dispatch, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
-from pergola.options import from_environment, to_environment
+from pergola.config.options import from_environment, to_environment
 
 GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
 
@@ -148,7 +149,7 @@ def create_app() -> Starlette:
 
 def spawn(opts: GatewayOptions) -> subprocess.Popen:
     """`pergola gateway` as a child process that ends with its parent (`pergola serve`)."""
-    from pergola.server import popen_tied
+    from pergola.triton.server import popen_tied
 
     env = dict(os.environ) | to_environment(opts)
     return popen_tied([sys.executable, "-m", "pergola.cli", "gateway"], env=env)
@@ -178,7 +179,7 @@ def shared_metrics() -> Iterator[None]:
     """Worker processes that count in one place (prometheus_client's multiprocess mode, which each
     worker takes up at import): a fresh folder unless PROMETHEUS_MULTIPROC_DIR names one. Without
     it a scrape would show the counts of whichever worker answered it."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if external("PROMETHEUS_MULTIPROC_DIR"):
         yield
         return
     folder = tempfile.mkdtemp(prefix="pergola-gateway-metrics-")

@@ -28,10 +28,10 @@ import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import np_to_triton_dtype
 
-from pergola.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
-from pergola.classify import ClassifyTokenizer
-from pergola.encodings import check_encoding, quantize
-from pergola.errors import RequestError
+from pergola.triton.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
+from pergola.text.classify import ClassifyTokenizer
+from pergola.text.encodings import check_encoding, quantize
+from pergola.text.errors import RequestError
 from pergola.gateway.admission import Admission, Ticket, lengths, refused_later, watch_client
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
@@ -41,10 +41,10 @@ from pergola.gateway.replicas import Replica, ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
 from pergola.gateway.triton_http import Tensor
-from pergola.rerank import RerankTokenizer
-from pergola.token_outputs import TOKEN_OUTPUT_TYPES
-from pergola.tokenization import Chunks, Encoded, TextTokenizer, check_windows
-from pergola.triton_io import ADMITTED
+from pergola.text.rerank import RerankTokenizer
+from pergola.outputs.token_outputs import TOKEN_OUTPUT_TYPES
+from pergola.text.tokenization import Chunks, Encoded, TextTokenizer, check_windows
+from pergola.triton.adapter import ADMITTED
 
 # A call of more tokens than this goes over gRPC, cancellable (module docstring): about one forward
 # step on a CPU (1,024 tokens, ~0.3 s), under a millisecond on a GPU: what is lost if it runs anyway.
@@ -59,7 +59,7 @@ OUTPUTS = {
 
 
 @dataclass(frozen=True)
-class EmbedOptions:
+class EmbedRequest:
     prompt_name: str | None = None
     dimensions: int | None = None
     normalize: bool | None = None
@@ -70,7 +70,7 @@ class EmbedOptions:
 
 @dataclass(frozen=True)
 class Chunking:
-    """A request's `chunking` (docs/long-documents.md, pergola.chunking): windows of `tokens` text
+    """A request's `chunking` (docs/long-documents.md, pergola.text.chunking): windows of `tokens` text
     tokens (None: the most the model takes), neighbours sharing `overlap`, pooled `each` (a vector
     per window), `mean` (one per input) or `late` (a vector per window from the text's one encoding)."""
 
@@ -88,7 +88,7 @@ class ChunkedEmbedded:
 
 
 @dataclass(frozen=True)
-class RerankOptions:
+class RerankRequest:
     truncate: str | None = None  # NONE | START | END (None: the model's default)
     max_document_tokens: int | None = None
     instruction: str | None = None  # a Qwen3-Reranker's task instruction
@@ -96,7 +96,7 @@ class RerankOptions:
 
 
 @dataclass(frozen=True)
-class ClassifyOptions:
+class ClassifyRequest:
     truncate: str | None = None  # NONE | START | END (None: the model's default)
     raw_scores: bool = False  # logits instead of probabilities
 
@@ -109,7 +109,7 @@ class Embedded:
 
 @dataclass
 class PerToken:
-    """bge-m3's per-token outputs of each text (pergola.token_outputs), in input order."""
+    """bge-m3's per-token outputs of each text (pergola.outputs.token_outputs), in input order."""
 
     sparse: list[tuple[np.ndarray, np.ndarray]]  # (token ids ascending, their weights) per text, when asked
     colbert: list[np.ndarray]  # [tokens - 1, dim] fp32 per text (every token but CLS), when asked
@@ -121,7 +121,7 @@ def _split(values: list[np.ndarray], offsets: np.ndarray) -> list[list[np.ndarra
     return [[v[a:b] for v in values] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
-# bge-m3's per-token outputs (pergola.token_outputs) and, from the ensemble, each text's tokens
+# bge-m3's per-token outputs (pergola.outputs.token_outputs) and, from the ensemble, each text's tokens
 _PER_TOKEN = [*TOKEN_OUTPUT_TYPES, "TOKEN_COUNT"]
 
 
@@ -266,7 +266,7 @@ def _grpc_input(tensor: Tensor) -> InferInput:
     return grpc_input
 
 
-def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[Tensor]:
+def _option_inputs(opts: EmbedRequest, shape: list[int]) -> list[Tensor]:
     """The optional embed inputs a request sets ([1] for the ensemble, [1, 1] for an encoder)."""
     inputs = []
     if opts.prompt_name is not None:
@@ -278,7 +278,7 @@ def _option_inputs(opts: EmbedOptions, shape: list[int]) -> list[Tensor]:
     return inputs + _encoder_options(opts, shape)
 
 
-def _encoder_options(opts: EmbedOptions, shape: list[int]) -> list[Tensor]:
+def _encoder_options(opts: EmbedRequest, shape: list[int]) -> list[Tensor]:
     """The embed options that reach the encoder (the tokenizer applies the others)."""
     inputs = []
     if opts.dimensions is not None:
@@ -347,7 +347,7 @@ class Backend:
         reads as_numpy(name). Over the replica's HTTP port when known (gateway/triton_http.py: less
         of the gateway's CPU per call), over gRPC when `cancellable` (or no HTTP port): Triton passes
         a gRPC caller's cancellation on to the model, which the encoder sees between steps and drops
-        the request; a closed HTTP connection it does not (perf/experiments/cancel_paths.py).
+        the request; a closed HTTP connection it does not (perf/results/2026-12-06-a3538ba-cpu/NOTES.md).
         Triton is told the time the request has left (µs): the encoder drops work nobody waits for;
         and that the gateway admitted it (ADMITTED: the encoder does not refuse it for its queue)."""
         timeout_s = work.left_s() if work is not None else self.timeout_s
@@ -355,7 +355,7 @@ class Backend:
             raise GatewayError(504, f"the request's time ran out (--request-timeout-s {self.timeout_s:g}) "
                                     "before all of it was answered")
 
-        parameters = {ADMITTED: True} if work is not None else None  # (pergola.triton_io.ADMITTED)
+        parameters = {ADMITTED: True} if work is not None else None  # (pergola.triton.adapter.ADMITTED)
 
         async def call(replica: Replica):
             if replica.http is not None and not cancellable:
@@ -422,7 +422,7 @@ class Backend:
             raise _first_error(e) from None
         return results
 
-    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
+    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedRequest) -> Embedded:
         """Embeddings of `texts`: tokenized here when short (gateway/tokenizers.py), else through
         the embed ensemble's steps in chunks."""
         chars = lengths(texts)
@@ -431,9 +431,9 @@ class Backend:
                 model, texts, lambda tok: self._embed_here(model, tok, texts, opts, work, chars),
                 lambda: self._embed_ensemble(model, texts, opts, work, chars))
 
-    async def embed_chunks(self, model: ServedModel, texts: list[str], opts: EmbedOptions, chunking: Chunking,
+    async def embed_chunks(self, model: ServedModel, texts: list[str], opts: EmbedRequest, chunking: Chunking,
                            field: str = "input") -> ChunkedEmbedded:
-        """`texts` cut into windows and embedded (pergola.chunking). Cut where they would be
+        """`texts` cut into windows and embedded (pergola.text.chunking). Cut where they would be
         tokenized: here when the request is short and the gateway has the served version's files
         (TextTokenizer.chunk, on a tokenizing thread), else by NAME_tokenizer (CHUNK_SIZE) in chunks
         of texts spread over the replicas, as any long request's tokenizing is, off the gateway's
@@ -467,7 +467,7 @@ class Backend:
             except GatewayError as e:
                 raise _named(e, field) from None
 
-    async def _cut_in_triton(self, model: ServedModel, texts: list[str], opts: EmbedOptions, chunking: Chunking,
+    async def _cut_in_triton(self, model: ServedModel, texts: list[str], opts: EmbedRequest, chunking: Chunking,
                              work: Ticket) -> tuple[Chunks, bool]:
         """`texts` cut by NAME_tokenizer (CHUNK_SIZE), and whether the model normalises by default."""
         inputs = [Tensor("TEXT", np.array([t.encode("utf-8") for t in texts], dtype=object), "BYTES"),
@@ -486,7 +486,7 @@ class Backend:
                      r.as_numpy("CHUNK_SPANS").reshape(-1, 3))
         return cut, bool(r.as_numpy("NORMALIZE_OUT").reshape(-1)[0])
 
-    async def _encode_chunks(self, model: ServedModel, cut: Chunks, normalizes: bool, opts: EmbedOptions,
+    async def _encode_chunks(self, model: ServedModel, cut: Chunks, normalizes: bool, opts: EmbedRequest,
                              chunking: Chunking, work: Ticket, chars: list[int], version: str) -> ChunkedEmbedded:
         """The cut texts' sequences through NAME_encoder in chunks over the replicas -> their vectors:
         a row per window (each), per late chunk (late), or per text (mean: the token-weighted mean
@@ -556,7 +556,7 @@ class Backend:
         return await ensemble()
 
     async def _tokenized_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                              opts: EmbedOptions) -> tuple[list[Tensor], np.ndarray]:
+                              opts: EmbedRequest) -> tuple[list[Tensor], np.ndarray]:
         """`texts` tokenized as NAME_tokenizer would -> NAME_encoder's inputs and each text's tokens."""
         enc = await self._encoded_here(texts, lambda: tokenizer.encode(
             texts, prompt_name=opts.prompt_name, max_tokens=opts.max_tokens, truncate=_truncate(model, opts.truncate)))
@@ -566,7 +566,7 @@ class Backend:
         return inputs + _encoder_options(opts, [1, 1]), enc.lengths
 
     async def _embed_here(self, model: ServedModel, tokenizer: TextTokenizer, texts: list[str],
-                          opts: EmbedOptions, work: Ticket, chars: list[int]) -> Embedded:
+                          opts: EmbedRequest, work: Ticket, chars: list[int]) -> Embedded:
         """`texts` tokenized here, their ids to the same version of NAME_encoder."""
         output, dtype = OUTPUTS[opts.encoding]
         inputs, tokens = await self._tokenized_here(model, tokenizer, texts, opts)
@@ -574,7 +574,7 @@ class Backend:
         work.answered(chars, tokens)
         return Embedded(result.as_numpy(output).view(dtype), tokens)
 
-    async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedOptions, work: Ticket,
+    async def _embed_ensemble(self, model: ServedModel, texts: list[str], opts: EmbedRequest, work: Ticket,
                               chars: list[int]) -> Embedded:
         output, dtype = OUTPUTS[opts.encoding]
 
@@ -592,7 +592,7 @@ class Backend:
         return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]))
 
     async def per_token(self, model: ServedModel, texts: list[str], outputs: list[str],
-                        opts: EmbedOptions = EmbedOptions()) -> PerToken:
+                        opts: EmbedRequest = EmbedRequest()) -> PerToken:
         """bge-m3's `outputs` (sparse, colbert) of `texts`: tokenized here when short, else from
         the embed ensemble's OUTPUTS in chunks."""
         asked = np.array([o.encode() for o in outputs], dtype=object)
@@ -621,7 +621,7 @@ class Backend:
         with self._admitted(model, chars) as work:
             return await self._here_or_ensemble(model, texts, here, ensemble)
 
-    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedOptions) -> Embedded:
+    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedRequest) -> Embedded:
         """Pre-tokenized input, straight to NAME_encoder (no prompt, no truncation there)."""
         output, dtype = OUTPUTS[opts.encoding]
         offsets = ids.offsets()
@@ -658,7 +658,7 @@ class Backend:
                                                                                      "offsets")))
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
-                     opts: RerankOptions = RerankOptions()) -> Reranked:
+                     opts: RerankRequest = RerankRequest()) -> Reranked:
         """Scores [n] float32 of `documents` against `query` and each pair's tokens, in input order:
         tokenized here when the request is short (gateway/tokenizers.py), else through the
         rerank ensemble's steps in chunks."""
@@ -670,7 +670,7 @@ class Backend:
                 lambda: self._rerank_ensemble(model, query, documents, opts, work, chars))
 
     async def _rerank_here(self, model: ServedModel, tokenizer: RerankTokenizer, query: str, documents: list[str],
-                           opts: RerankOptions, work: Ticket, chars: list[int]) -> Reranked:
+                           opts: RerankRequest, work: Ticket, chars: list[int]) -> Reranked:
         """The pairs tokenized as NAME_tokenizer would, their ids to the same version of NAME_encoder."""
         enc = await self._encoded_here([query, *documents], lambda: tokenizer.encode(
             query, documents, max_document_tokens=opts.max_document_tokens, instruction=opts.instruction,
@@ -681,7 +681,7 @@ class Backend:
         return Reranked(result.as_numpy("SCORE"), enc.lengths)
 
     async def _rerank_ensemble(self, model: ServedModel, query: str, documents: list[str],
-                               opts: RerankOptions, work: Ticket, chars: list[int]) -> Reranked:
+                               opts: RerankRequest, work: Ticket, chars: list[int]) -> Reranked:
         options = [Tensor("QUERY", np.array([query.encode("utf-8")], dtype=object), "BYTES")]
         if opts.truncate is not None:
             options.append(Tensor("TRUNCATE_MODE", np.array([opts.truncate.encode()], dtype=object), "BYTES"))
@@ -706,7 +706,7 @@ class Backend:
         return Reranked(np.concatenate([p.scores for p in parts]), np.concatenate([p.tokens for p in parts]))
 
     async def classify(self, model: ServedModel, texts: list[str], pairs: list[str | None] | None = None,
-                       opts: ClassifyOptions = ClassifyOptions()) -> Classified:
+                       opts: ClassifyRequest = ClassifyRequest()) -> Classified:
         """Class probabilities [n, labels] of `texts` (pairs[i]: text i's second sequence, None for
         none), in input order: tokenized here when the request is short (gateway/tokenizers.py),
         else through the classify ensemble's steps in chunks. Single texts and pairs go in separate

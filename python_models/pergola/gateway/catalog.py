@@ -2,7 +2,7 @@
 
 A served name is an ensemble of the repository (`embed`, `rerank`, `classify`, or a model's own name);
 its first step names the model's parts (NAME_tokenizer, NAME_encoder), and the encoder's
-config.pbtxt parameters carry the model's settings (pergola.config.EngineConfig: limits,
+config.pbtxt parameters carry the model's settings (pergola.config.engine.EngineConfig: limits,
 dtype, pooling, kernels). With the admin token the repository index lists every ensemble;
 without it the gateway looks for `embed`, `rerank`, `classify` and the names it was given.
 """
@@ -17,13 +17,13 @@ from typing import Any
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from pergola.admin import GRPC_ADMIN_HEADER
-from pergola.chunking import ChunkLimits
-from pergola.config import EngineConfig
-from pergola.errors import StringLimits
+from pergola.triton.admin import GRPC_ADMIN_HEADER
+from pergola.text.chunking import ChunkLimits
+from pergola.config.engine import EngineConfig
+from pergola.text.errors import StringLimits
 from pergola.gateway.replicas import CONTROL_TIMEOUT_S
-from pergola.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER
-from pergola.options import convert
+from pergola.outputs.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER
+from pergola.config.options import convert
 
 log = logging.getLogger("pergola.gateway")
 ALIASES = ("embed", "rerank", "classify")
@@ -36,8 +36,8 @@ _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 class Pipeline:
     """The ensemble's two steps by tensor name, for the gateway to make them as two calls:
     Triton passes a gRPC client's cancellation to the model it calls, not to an ensemble's step in
-    flight (perf/experiments/cancel_paths.py: a given-up ensemble call's 8,191 tokens were all
-    encoded, a call straight to NAME_encoder's none), so bulk work goes to NAME_encoder itself."""
+    flight (a given-up ensemble call was encoded whole, a call straight to NAME_encoder not at all:
+    perf/results/2026-12-06-a3538ba-cpu/NOTES.md), so bulk work goes to NAME_encoder itself."""
 
     inputs: dict[str, str]  # ensemble input -> NAME_tokenizer input
     feeds: dict[str, str]  # NAME_tokenizer output -> NAME_encoder input

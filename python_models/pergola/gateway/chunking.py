@@ -1,5 +1,5 @@
 """`chunking` on `POST /v1/embeddings` and TEI's `POST /embed`: long texts embedded in windows, in
-one request (docs/long-documents.md; the windows: pergola.chunking).
+one request (docs/long-documents.md; the windows: pergola.text.chunking).
 
     "chunking": {"tokens": 256, "overlap": 32, "pooling": "each" | "mean" | "late"}
 
@@ -26,8 +26,8 @@ from typing import Any, Callable
 import numpy as np
 from starlette.responses import Response
 
-from pergola.errors import quote, read_strings
-from pergola.gateway.backend import ChunkedEmbedded, Chunking, EmbedOptions
+from pergola.text.errors import quote, read_strings
+from pergola.gateway.backend import ChunkedEmbedded, Chunking, EmbedRequest
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request
 from pergola.gateway.http import Body, answer
@@ -80,7 +80,7 @@ def _refuse_cutting(truncate: str | bool | None, max_tokens: int | None) -> None
                           "`chunking.tokens`", "max_tokens")
 
 
-async def openai_chunked(gw: Gateway, model: ServedModel, raw: object, opts: EmbedOptions, chunking: Chunking,
+async def openai_chunked(gw: Gateway, model: ServedModel, raw: object, opts: EmbedRequest, chunking: Chunking,
                          convert: Callable[[np.ndarray], np.ndarray], as_base64: bool) -> Response:
     """OpenAI's /v1/embeddings with `chunking`; `convert`: the embedding_type's codes -> values sent."""
     if isinstance(raw, TokenIds):
@@ -96,11 +96,11 @@ async def openai_chunked(gw: Gateway, model: ServedModel, raw: object, opts: Emb
                         chunking.pooling == "mean")
 
 
-async def tei_chunked(gw: Gateway, body: Body, model: ServedModel, texts: list[str], opts: EmbedOptions,
+async def tei_chunked(gw: Gateway, body: Body, model: ServedModel, texts: list[str], opts: EmbedRequest,
                       chunking: Chunking) -> Response:
     """TEI's /embed with `chunking` (texts already read); `truncate: true` contradicts it."""
     _refuse_cutting(body.get("truncate", bool), None)
-    out = await gw.backend.embed_chunks(model, texts, EmbedOptions(prompt_name=opts.prompt_name,
+    out = await gw.backend.embed_chunks(model, texts, EmbedRequest(prompt_name=opts.prompt_name,
                                                                    dimensions=opts.dimensions,
                                                                    normalize=opts.normalize), chunking, "inputs")
     headers = {"x-total-tokens": str(int(out.tokens.sum()))}

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.gateway.backend import ClassifyOptions, TooLong
+from pergola.gateway.backend import ClassifyRequest, TooLong
 from pergola.gateway.openai_api import too_long, truncate_option
 from pergola.gateway.state import Gateway
 from pergola.gateway.tei_api import text_inputs
@@ -27,7 +27,7 @@ from pergola.gateway.tei_api import text_inputs
 
 async def classify(gw: Gateway, request: Request) -> dict[str, Any]:
     body, model, texts = await text_inputs(gw, request, "classify", "input")
-    opts = ClassifyOptions(truncate=truncate_option(body), raw_scores=body.get("raw_scores", bool, False))
+    opts = ClassifyRequest(truncate=truncate_option(body), raw_scores=body.get("raw_scores", bool, False))
     try:
         out = await gw.backend.classify(model, texts, opts=opts)
     except TooLong as e:

@@ -11,7 +11,7 @@ v1 without `embedding_types` answers {"response_type": "embeddings_floats", "emb
 [[...]], ...}, as Cohere does. `input_type` search_query takes the model's query prompt,
 search_document its document prompt (where the model has them: Cohere's SDK always sends one);
 classification and clustering none. The types come from one
-float32 call, quantized here as the encoder does (pergola.encodings): int8 is round(127 x) of the
+float32 call, quantized here as the encoder does (pergola.text.encodings): int8 is round(127 x) of the
 unit vector, uint8 int8 + 128, ubinary the sign bits (8 dimensions a byte, first in the high bit),
 binary ubinary - 128, base64 the float32 bytes (little-endian) of each row. Images, `inputs`
 with image parts and a priority other than 0 are refused with 400 naming the field.
@@ -27,9 +27,9 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.encodings import INT8_SCALE, quantize
-from pergola.errors import quote, read_strings
-from pergola.gateway.backend import EmbedOptions, TooLong
+from pergola.text.encodings import INT8_SCALE, quantize
+from pergola.text.errors import quote, read_strings
+from pergola.gateway.backend import EmbedRequest, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request
 from pergola.gateway.http import Body, answer
@@ -77,7 +77,7 @@ def _types(body: Body, default: list[str] | None) -> list[str] | None:
     return types
 
 
-def _options(body: Body, model: ServedModel) -> EmbedOptions:
+def _options(body: Body, model: ServedModel) -> EmbedRequest:
     input_type = body.get("input_type", str)
     if input_type is not None and input_type not in INPUT_TYPES:
         why = "pergola serves text models" if input_type == "image" else f"use one of {', '.join(INPUT_TYPES)}"
@@ -89,7 +89,7 @@ def _options(body: Body, model: ServedModel) -> EmbedOptions:
     prompt = INPUT_TYPES.get(input_type) if input_type else None
     if model.prompts is not None and prompt not in model.prompts:  # (a model without that prompt: none)
         prompt = None
-    return EmbedOptions(prompt_name=prompt,
+    return EmbedRequest(prompt_name=prompt,
                         dimensions=body.count("output_dimension"), truncate=truncate_option(body) or "END",
                         max_tokens=body.count("max_tokens"))
 

@@ -55,7 +55,7 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 _OVERLOAD_MARKS = ("queued tokens", "Exceeds maximum queue size", "max_queue_seconds")
 # A model instance whose Python stub process died (Triton 2.51 answers INTERNAL, HTTP 500, for each
 # request that reaches it): `pergola serve` loads that model again within seconds
-# (pergola/supervisor.py), so it is a model away, 503 + Retry-After, not a server error.
+# (pergola/triton/supervisor.py), so it is a model away, 503 + Retry-After, not a server error.
 _STUB_DEAD = re.compile(r"Stub process (?:'[^']*' )?is (?:not healthy|unhealthy)|Failed to restart the stub process")
 # The encoder's answer to a request past its deadline (engine/loop.py's Cancelled): CANCELLED over
 # gRPC, but Triton's HTTP door answers CANCELLED as 400 like a bad input, so the message decides.

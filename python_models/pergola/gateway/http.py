@@ -18,7 +18,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pergola.errors import MESSAGE_CHARS, RequestError, bounded, quote
+from pergola.text.errors import MESSAGE_CHARS, RequestError, bounded, quote
 from pergola.gateway.errors import GatewayError, bad_request, refused
 from pergola.gateway.offload import INT32_MAX, PARSE_BYTES, RENDER_VALUES, Offload, TokenIds, parse_body, render
 
@@ -123,7 +123,7 @@ def error_response(exc: GatewayError | RequestError, family: str) -> Response:
     """An error in `family`'s envelope; the engine's own input checks (RequestError, run here
     before any work) are 413 when a limit was passed, else 400; a field of the wrong type or
     value is 422 in TEI's envelope (as TEI answers) and 400 in the others. The message is cut to
-    pergola.errors.MESSAGE_CHARS: the last guard against echoing what a client sent."""
+    pergola.text.errors.MESSAGE_CHARS: the last guard against echoing what a client sent."""
     if isinstance(exc, RequestError):
         exc = refused(str(exc))
     if exc.status == 422 and family != "tei":  # TEI answers a bad field 422; OpenAI, vLLM, Cohere 400

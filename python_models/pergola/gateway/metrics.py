@@ -17,7 +17,6 @@ summed at each scrape.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -27,6 +26,8 @@ from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from pergola.config.settings import external
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
@@ -98,7 +99,7 @@ class RequestMetrics:
 
 def registry() -> CollectorRegistry:
     """This process's metrics, or every worker's in prometheus_client's multiprocess mode."""
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if not external("PROMETHEUS_MULTIPROC_DIR"):
         return DEFAULT_REGISTRY
     from prometheus_client import multiprocess
 

@@ -8,18 +8,15 @@ RENDER_VALUES numbers, and /tokenize (tokenizing and rendering). Queries stay on
 hand-off costs ~0.5 ms, and a 64 kB body parses there in ~1.3 ms.
 
 Why processes, not threads: orjson holds the GIL for a whole call, and so does the Python that
-builds an answer, so a thread frees the loop only between bytecodes. Measured on the 2-core CPU
-host (perf/experiments/bench_offload.py; perf/results/2026-12-06-3bdfdf4-cpu/notes.md), 4 clients
-back to back, what a request arriving at a random moment waited for the loop, p99: 92 ms with
-100 x 512 ids parsed on the loop, 52 on a thread, 11 in a process; 98 / 45 / 11.5 ms rendering
-100 x 1,024 floats; 1,383 / 97 / 20 ms rendering a 100,000-token /tokenize answer. Through the
-whole gateway, a query's p99 beside 4 clients sending 100 x 512 ids went from 182 to 13 ms.
+builds an answer, so a thread frees the loop only between bytecodes: a request arriving beside
+bulk parsing or rendering waits far less for the loop when that work runs in a process than on a
+thread or on the loop itself (perf/results/2026-12-06-3bdfdf4-cpu/NOTES.md).
 
 Bounded: `workers` processes, niced (bulk work yields the CPU to the loop and to Triton), and at
 most `queue` jobs waiting for them; a request past that gets 429 with Retry-After (load that
 passes). A worker that dies takes its pool's jobs with it: the pool is replaced and those
 requests answered 503. After a job that took or made 8 MB a worker gives its freed heap back to
-the system (pergola/memory.py), and the gateway does every 64 MB, so neither ratchets.
+the system (pergola/triton/memory.py), and the gateway does every 64 MB, so neither ratchets.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import numpy as np
 import orjson
 
 from pergola.gateway.errors import GatewayError, bad_request
-from pergola.memory import trim
+from pergola.triton.memory import trim
 
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")
@@ -133,7 +130,7 @@ def _size(values: tuple) -> int:
 
 def _job(fn: Callable[..., T], args: tuple) -> T:
     """fn(*args) in a worker; after a large one the freed heap goes back to the system
-    (pergola/memory.py: glibc keeps it otherwise, 140-180 MB a worker after a 30 MB body)."""
+    (pergola/triton/memory.py: glibc keeps it otherwise, 140-180 MB a worker after a 30 MB body)."""
     try:
         out = fn(*args)
     except GatewayError as e:

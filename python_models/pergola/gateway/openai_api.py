@@ -22,15 +22,15 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError, quote, read_strings
-from pergola.gateway.backend import EmbedOptions, Embedded, TooLong
+from pergola.text.errors import RequestError, quote, read_strings
+from pergola.gateway.backend import EmbedRequest, Embedded, TooLong
 from pergola.gateway.chunking import chunking_option, openai_chunked
 from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
 from pergola.gateway.vllm_api import Pooling, sys_order
-from pergola.tokenization import truncate_mode
+from pergola.text.tokenization import truncate_mode
 
 _SAME = lambda codes: codes  # noqa: E731
 # embedding_type -> (Triton ENCODING, codes -> the values sent)
@@ -63,7 +63,7 @@ def too_long(e: TooLong, field: str, hint: str) -> GatewayError:
                              f"(the model's limit, or the one it asked for); shorten it or {hint}", field)
 
 
-def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
+def embed_request(body: Body, embedding_type: str) -> EmbedRequest:
     prompt = body.get("prompt_name", str)
     input_type = body.get("input_type", str)
     if input_type is not None:
@@ -73,7 +73,7 @@ def embed_options(body: Body, embedding_type: str) -> EmbedOptions:
         if prompt is not None and prompt != INPUT_TYPES[input_type]:
             raise GatewayError(422, "send `prompt_name` or `input_type`, not both", "input_type")
         prompt = INPUT_TYPES[input_type]
-    return EmbedOptions(prompt_name=prompt, dimensions=body.count("dimensions"), truncate=truncate_option(body),
+    return EmbedRequest(prompt_name=prompt, dimensions=body.count("dimensions"), truncate=truncate_option(body),
                         max_tokens=body.count("max_tokens"), normalize=body.get("normalize", bool),
                         encoding=EMBEDDING_TYPES[embedding_type][0])
 
@@ -99,7 +99,7 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
     if encoding_format not in ("float", "base64"):
         raise GatewayError(422, f"`encoding_format` must be float or base64, got {quote(encoding_format)}",
                            "encoding_format")
-    opts = embed_options(body, embedding_type)
+    opts = embed_request(body, embedding_type)
     opts = pooling.options(opts, model, token_ids=isinstance(raw, TokenIds))
     chunking = chunking_option(body)
     if chunking is not None:  # long texts in windows (gateway/chunking.py)

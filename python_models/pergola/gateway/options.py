@@ -1,11 +1,11 @@
-"""The gateway's options, declared once (pergola.options): flags of `pergola gateway`, also
+"""The gateway's options, declared once (pergola.config.options): flags of `pergola gateway`, also
 `pergola serve --gateway-*`, each with its PERGOLA_GATEWAY_* / PERGOLA_* environment variable."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pergola.options import option
+from pergola.config.options import option
 
 
 @dataclass

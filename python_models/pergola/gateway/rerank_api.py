@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.errors import StringLimits, read_strings
-from pergola.gateway.backend import Reranked, RerankOptions, TooLong
+from pergola.text.errors import StringLimits, read_strings
+from pergola.gateway.backend import Reranked, RerankRequest, TooLong
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body
 from pergola.gateway.openai_api import too_long, truncate_option
@@ -40,16 +40,16 @@ def best_first(scores: np.ndarray, top_n: int | None) -> list[int]:
     return order[:top_n].tolist() if top_n is not None else order.tolist()
 
 
-def rerank_options(body: Body, truncate: str | None, max_document_tokens: str | None = None,
-                   raw_scores: bool = False) -> RerankOptions:
+def rerank_request(body: Body, truncate: str | None, max_document_tokens: str | None = None,
+                   raw_scores: bool = False) -> RerankRequest:
     """What a rerank body asks beyond query and documents (`truncate`: the mode, as its API sends it;
     `raw_scores`: logits rather than their sigmoid)."""
-    return RerankOptions(truncate=truncate, instruction=body.get("instruction", str), raw_scores=raw_scores,
+    return RerankRequest(truncate=truncate, instruction=body.get("instruction", str), raw_scores=raw_scores,
                          max_document_tokens=body.count(max_document_tokens) if max_document_tokens else None)
 
 
 async def scores_of(gw: Gateway, body: Body, documents_field: str,
-                    opts: RerankOptions) -> tuple[list[str], Reranked]:
+                    opts: RerankRequest) -> tuple[list[str], Reranked]:
     """(documents, scores and tokens) for a rerank body, checked against the model's limits first
     (a document over the token limit with truncation off: TooLong, which each API words)."""
     model = await gw.model(body.get("model", str), "rerank")
@@ -73,7 +73,7 @@ async def rerank(gw: Gateway, body: Body) -> dict[str, Any]:
     model = await gw.model(body.get("model", str), "rerank")
     activation = rerank_fields(body, model)  # vLLM's use_activation, truncate_prompt_tokens (vllm_api.py)
     truncate = truncate_option(body) or ("END" if "truncate_prompt_tokens" in body.data else None)
-    opts = rerank_options(body, truncate, "max_tokens_per_doc", raw_scores=activation is False)
+    opts = rerank_request(body, truncate, "max_tokens_per_doc", raw_scores=activation is False)
     top_n = body.count("top_n")  # (more than the documents: all of them, as Cohere answers)
     with_docs = body.get("return_documents", bool, False)
     try:
@@ -99,7 +99,7 @@ async def rerank_route(gw: Gateway, request: Request) -> dict[str, Any]:
 async def nim_ranking(gw: Gateway, request: Request) -> dict[str, Any]:
     """NIM's /v1/ranking: every passage's logit, best first (NIM's `truncate` is NONE or END)."""
     body = await gw.body(request)
-    opts = rerank_options(body, truncate_option(body), raw_scores=True)
+    opts = rerank_request(body, truncate_option(body), raw_scores=True)
     try:
         _, out = await scores_of(gw, body, "passages", opts)
     except TooLong as e:

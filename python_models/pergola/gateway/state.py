@@ -10,8 +10,8 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from pergola.admin import read_token
-from pergola.errors import quote
+from pergola.triton.admin import read_token
+from pergola.text.errors import quote
 from pergola.gateway.admission import Admission
 from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
@@ -21,7 +21,7 @@ from pergola.gateway.offload import Offload
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.replicas import ReplicaPool, http_ports, split_target
 from pergola.gateway.tokenizers import LocalTokenizers
-from pergola.supervisor import RECOVERING_FILE, read_recovering
+from pergola.triton.supervisor import RECOVERING_FILE, read_recovering
 
 log = logging.getLogger("pergola.gateway")
 DEFAULT_MODELS = {"embed": "embed", "rerank": "rerank", "classify": "classify"}  # task -> served name when a request names none
@@ -49,7 +49,7 @@ def replica_targets(opts: GatewayOptions) -> tuple[list[str], list[int]]:
 
 class Recovering:
     """The model parts (NAME_tokenizer, NAME_encoder) that `pergola serve` is loading again after
-    one of their stubs died (pergola/supervisor.py writes them to RECOVERING_FILE in the repository
+    one of their stubs died (pergola/triton/supervisor.py writes them to RECOVERING_FILE in the repository
     it serves), read again whenever the file changes. Triton's own per-model readiness stays true
     meanwhile: Triton does not know its stub is gone."""
 

@@ -44,17 +44,17 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError, quote, read_strings
+from pergola.text.errors import RequestError, quote, read_strings
 from pergola.gateway import connections, rerank_api, tokenizers, vllm_api
-from pergola.gateway.backend import ClassifyOptions, EmbedOptions, PerToken, TooLong
+from pergola.gateway.backend import ClassifyRequest, EmbedRequest, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.chunking import chunking_option, tei_chunked
 from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
 from pergola.gateway.offload import as_is
 from pergola.gateway.state import Gateway
-from pergola.hf_folder import ModelFolderError
-from pergola.token_outputs import check_outputs
+from pergola.config.hf_folder import ModelFolderError
+from pergola.outputs.token_outputs import check_outputs
 
 log = logging.getLogger("pergola.gateway")
 VERSION = "pergola-gateway"
@@ -96,7 +96,7 @@ async def text_inputs(gw: Gateway, request: Request, task: str = "embed",
 
 async def embed(gw: Gateway, request: Request) -> Response:
     body, model, texts = await text_inputs(gw, request)
-    opts = EmbedOptions(prompt_name=body.get("prompt_name", str), dimensions=body.count("dimensions"),
+    opts = EmbedRequest(prompt_name=body.get("prompt_name", str), dimensions=body.count("dimensions"),
                         normalize=body.get("normalize", bool, True), truncate=_truncation(body, model))
     chunking = chunking_option(body)
     if chunking is not None:  # long texts in windows (gateway/chunking.py)
@@ -123,7 +123,7 @@ async def similarity(gw: Gateway, request: Request) -> JSONResponse:
         raise GatewayError(400, "`inputs.sentences` cannot be empty", "inputs")
     parameters = Body(body.get("parameters", dict, {}))
     texts = read_strings([source, *sentences], "inputs", "text", model.text_limits())
-    opts = EmbedOptions(prompt_name=parameters.get("prompt_name", str), normalize=True,
+    opts = EmbedRequest(prompt_name=parameters.get("prompt_name", str), normalize=True,
                         truncate=_truncation(parameters, model))
     try:
         out = await gw.backend.embed(model, texts, opts)
@@ -152,7 +152,7 @@ async def _per_token(gw: Gateway, request: Request, output: str) -> tuple[PerTok
     """bge-m3's `output` (sparse | colbert) of a TEI body's inputs, and the x-total-tokens header."""
     body, model, texts = await text_inputs(gw, request)
     check_outputs([output], model.outputs)  # (RequestError: 400, naming what the model gives)
-    opts = EmbedOptions(prompt_name=body.get("prompt_name", str), truncate=_truncation(body, model))
+    opts = EmbedRequest(prompt_name=body.get("prompt_name", str), truncate=_truncation(body, model))
     try:
         out = await gw.backend.per_token(model, texts, [output], opts)
     except TooLong as e:
@@ -180,7 +180,7 @@ async def embed_all(gw: Gateway, request: Request) -> Response:
 
 async def tei_rerank(gw: Gateway, body: Body) -> JSONResponse:
     model = await gw.model(body.get("model", str), "rerank")
-    opts = rerank_api.rerank_options(body, _truncation(body, model), raw_scores=body.get("raw_scores", bool, False))
+    opts = rerank_api.rerank_request(body, _truncation(body, model), raw_scores=body.get("raw_scores", bool, False))
     try:
         texts, out = await rerank_api.scores_of(gw, body, "texts", opts)
     except TooLong as e:
@@ -218,7 +218,7 @@ async def predict(gw: Gateway, request: Request) -> Any:
     seconds = [p for p in pairs if p is not None]
     if seconds:
         read_strings(seconds, "inputs", "text pair", model.text_limits(), used_chars=sum(map(len, texts)))
-    opts = ClassifyOptions(truncate=_truncation(body, model), raw_scores=body.get("raw_scores", bool, False))
+    opts = ClassifyRequest(truncate=_truncation(body, model), raw_scores=body.get("raw_scores", bool, False))
     try:
         out = await gw.backend.classify(model, texts, pairs, opts)
     except TooLong as e:
@@ -366,7 +366,7 @@ async def info(gw: Gateway, request: Request) -> dict[str, Any]:
             "max_client_batch_size": model.limit("max_documents" if model.task == "rerank" else "max_texts"),
             "auto_truncate": bool(model.limit("truncate")), "tokenization_workers": model.tokenizer_instances,
             "version": VERSION, "sha": None, "docker_label": None,
-            "served_name": name, "hub_id": settings.get("model_id"),  # pergola.hub
+            "served_name": name, "hub_id": settings.get("model_id"),  # pergola.config.hub
             "attention_backend": settings.get("attention_backend", "auto"),
             "prompts": {k: v for k, v in (("query", settings.get("query_prompt")),
                                           ("document", settings.get("document_prompt"))) if v},

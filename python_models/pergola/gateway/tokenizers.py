@@ -9,8 +9,8 @@ microseconds. Under bulk text traffic the tokenizer instances are busy too, and 
 When the gateway can read the repository its Triton server loads (`pergola serve` passes it as
 --triton-repository), an embed, rerank or classify request of at most --gateway-tokenize-chars
 characters (a rerank request's query and documents together) is tokenized here with the same
-code (pergola.tokenization.TextTokenizer, pergola.rerank.RerankTokenizer,
-pergola.classify.ClassifyTokenizer), the same files (the served version's hf/ folder) and the
+code (pergola.text.tokenization.TextTokenizer, pergola.text.rerank.RerankTokenizer,
+pergola.text.classify.ClassifyTokenizer), the same files (the served version's hf/ folder) and the
 same settings (the encoder's config.pbtxt parameters) as NAME_tokenizer, and its ids go to that
 version of NAME_encoder. Larger requests still go through the tokenizer instances in chunks,
 spread over the replicas.
@@ -37,12 +37,12 @@ from typing import Callable, TypeVar
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pergola.classify import ClassifyTokenizer
-from pergola.config import EngineConfig
+from pergola.text.classify import ClassifyTokenizer
+from pergola.config.engine import EngineConfig
 from pergola.gateway.catalog import ServedModel
-from pergola.hf_folder import load_model_spec
-from pergola.rerank import RerankTokenizer
-from pergola.tokenization import TextTokenizer
+from pergola.config.hf_folder import load_model_spec
+from pergola.text.rerank import RerankTokenizer
+from pergola.text.tokenization import TextTokenizer
 
 log = logging.getLogger("pergola.gateway")
 Key = tuple[str, str]  # (the model behind a served name, its encoder's version)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import re
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
+from pergola.config.settings import external
 from pergola.gateway.metrics import StatusSend
 
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
@@ -25,7 +25,7 @@ _current: ContextVar[str | None] = ContextVar("traceparent", default=None)
 
 
 def exporting() -> bool:
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(external("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or external("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
 def require_sdk() -> None:
@@ -53,7 +53,7 @@ def tracer() -> Any:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=Resource.create(
-        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "pergola-gateway")}))
+        {"service.name": external("OTEL_SERVICE_NAME", "pergola-gateway")}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return provider.get_tracer("pergola.gateway")
 

@@ -5,9 +5,8 @@ Why not tritonclient's gRPC aio client, which the gateway keeps for its control 
 call of 128 token ids costs the gateway 0.55 ms of CPU through it (protobuf objects, grpc's
 poller thread and its hand-offs to the event loop) and 0.18 ms through this client, whose request
 is one JSON header plus the tensors' bytes written on the loop's thread and whose answer is
-parsed by httptools (uvicorn's own C parser); the round trip is 0.24-0.42 ms shorter, Triton's
-HTTP door included (paired rounds on the 2-core CPU host; perf/RESULTS.md, History 2026-12-05,
-perf/experiments/bench_gateway_transport.py).
+parsed by httptools (uvicorn's own C parser); the round trip is shorter than over gRPC, Triton's
+HTTP door included (perf/results/2026-12-05-88093b5-cpu/NOTES.md).
 
 HTTP/1.1 carries one call per connection at a time, so each replica keeps a pool of keep-alive
 connections, opened as concurrency needs them up to MAX_CONNECTIONS (beyond that a call waits

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.errors import quote, read_strings
+from pergola.text.errors import quote, read_strings
 from pergola.gateway import tokenizers
-from pergola.gateway.backend import EmbedOptions, RerankOptions
+from pergola.gateway.backend import EmbedRequest, RerankRequest
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body
@@ -99,7 +99,7 @@ def prompt_tokens(body: Body, model: ServedModel) -> int | None:
     return longest if value == -1 else value
 
 
-def check_max_tokens(opts: EmbedOptions, model: ServedModel) -> None:
+def check_max_tokens(opts: EmbedRequest, model: ServedModel) -> None:
     """A `max_tokens` above the model's limit is refused: cut to the limit, the caller would
     believe longer texts were embedded whole."""
     longest = model.max_input_length
@@ -135,7 +135,7 @@ class Pooling:
         return cls(keep, side, use_activation(body, "normalize"), dtype,
                    ENDIANNESS[choice(body, "endianness", ENDIANNESS, "native")])
 
-    def options(self, opts: EmbedOptions, model: ServedModel, token_ids: bool) -> EmbedOptions:
+    def options(self, opts: EmbedRequest, model: ServedModel, token_ids: bool) -> EmbedRequest:
         """`opts` with what these fields ask (texts are cut by the tokenizer, token ids by `cut`)."""
         if self is NO_POOLING and opts.max_tokens is None:
             return opts
@@ -226,7 +226,7 @@ async def score(gw: Gateway, request: Request) -> dict[str, Any]:
         refuse_unsupported(body, ("priority", "mm_processor_kwargs"))
         texts = read_strings([*a, *b], first, "text", model.text_limits())
         keep = prompt_tokens(body, model)
-        opts = EmbedOptions(normalize=True, truncate="END" if keep else None, max_tokens=keep)
+        opts = EmbedRequest(normalize=True, truncate="END" if keep else None, max_tokens=keep)
         out = await gw.backend.embed(model, texts, opts)
         left, right = out.vectors[: len(a)], out.vectors[len(a):]
         scores = (np.repeat(left, len(b), 0) if len(a) == 1 else left) * right
@@ -234,7 +234,7 @@ async def score(gw: Gateway, request: Request) -> dict[str, Any]:
     else:
         raw = rerank_fields(body, model) is False
         groups = [(a[0], list(range(len(b))))] if len(a) == 1 else [(q, [i]) for i, q in enumerate(a)]
-        opts = RerankOptions(truncate="END" if prompt_tokens(body, model) else None, raw_scores=raw)
+        opts = RerankRequest(truncate="END" if prompt_tokens(body, model) else None, raw_scores=raw)
         parts = await asyncio.gather(*(gw.backend.rerank(model, q, read_strings(
             [b[i] for i in index], second, "document", model.text_limits("max_documents")), opts)
             for q, index in groups))

@@ -345,7 +345,7 @@ class BackendEntry:
 
 
 # The one list of backends, in the probe's order (the first candidate is its fallback).
-# pergola.config.ATTENTION_BACKENDS holds the same names for a torch-free import
+# pergola.config.engine.ATTENTION_BACKENDS holds the same names for a torch-free import
 # (tests/test_attention_backends.py keeps them equal).
 BACKENDS: dict[str, BackendEntry] = {
     "sdpa": BackendEntry(SdpaAttention),  # the CPU and FP32 path; padded, so never timed by the probe

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pergola.config import CUDA_GRAPH_MAX_TOKENS
-from pergola.cudagraph import capture
+from pergola.config.engine import CUDA_GRAPH_MAX_TOKENS
+from pergola.layers.cudagraph import capture
 from pergola.layers.attention import BACKENDS, AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.fused import split_qkv
 

@@ -271,19 +271,12 @@ def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Ti
     return y
 
 
-# PyTorch's SM carveout (None when unset; older PyTorch has none)
-_carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)
-
-
 def _sm_count(device: torch.device) -> int:
-    """The SMs a persistent tile kernel spreads over: the device's, less PyTorch's SM carveout
-    when one is set (query_sm_margin: the bulk matmuls leave SMs to queries; cuBLAS honours the
-    same setting), so the persistent Triton tiles leave them too. NUM_SMS is a constant of the
-    kernel: the first launch with a margin compiles it once more."""
+    """The SMs a persistent tile kernel spreads over: the device's (NUM_SMS is a constant of the kernel)."""
     if device.type != "cuda":  # Triton's interpreter (tests): a few programs, each walking several tiles
         return 3
     sms = torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
-    return max(1, sms - (_carveout() or 0))
+    return sms
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,

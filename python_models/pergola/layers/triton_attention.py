@@ -110,8 +110,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """softmax(q k^T / sqrt(D)) v per sequence of the flat batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     block_m: query rows per program; by default 16 up to 128 tokens (more programs for a tiny
-    step) and 64 above (fewer key re-reads), the faster of the two at each size on the H200
-    (perf/experiments/bench_short_attn.py; perf/results/2026-12-03-87e4492/).
+    step) and 64 above (fewer key re-reads), the faster of the two at each size
+    (perf/results/2026-12-03-87e4492/NOTES.md).
     Half precision on a GPU (its dots would run FP32 inputs as TF32); FP32 anywhere in the
     interpreter.
     """

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergola.heads import HEAD_TASKS
-from pergola.hf_folder import head_dim
+from pergola.outputs.heads import HEAD_TASKS
+from pergola.config.hf_folder import head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models import Model
+from pergola.models.loader import Model
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -143,7 +143,7 @@ class BertModel(Model):
                 self.classifier = Linear(h, labels, bias=True)
 
     def score(self, cls_states: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 logits (pergola.heads activates them)."""
+        """[B, hidden] fp32 [CLS] (<s>) states -> [B, num_labels] fp32 logits (pergola.outputs.heads activates them)."""
         dense, out = ((self.classifier.dense, self.classifier.out_proj) if is_roberta(self.config)
                       else (self.pooler.dense, self.classifier))
         return out(torch.tanh(dense(cls_states.to(dense.weight.dtype)))).float()

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergola.hf_folder import ModelFolderError, head_dim
+from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import split_qkv
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models import Model
+from pergola.models.loader import Model
 from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import Qwen3Model, RotaryEmbedding, apply_rope
 

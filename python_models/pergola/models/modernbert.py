@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergola.heads import HEAD_TASKS
-from pergola.hf_folder import ModelFolderError, head_dim
+from pergola.outputs.heads import HEAD_TASKS
+from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear
-from pergola.models import Model
+from pergola.models.loader import Model
 from pergola.models.bert import ACTIVATIONS
 from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import RotaryEmbedding, apply_rope
@@ -145,7 +145,7 @@ class ModernBertModel(Model):
 
     def score(self, pooled: torch.Tensor) -> torch.Tensor:
         """[B, hidden] fp32 pooled states (CLS or mean, as classifier_pooling says) -> [B, num_labels]
-        fp32 logits (pergola.heads activates them)."""
+        fp32 logits (pergola.outputs.heads activates them)."""
         x = self.head.norm(self.head_act(self.head.dense(pooled.to(self.head.dense.weight.dtype))))
         return self.classifier(x).float()
 

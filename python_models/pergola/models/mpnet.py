@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergola.hf_folder import head_dim, max_positions
+from pergola.config.hf_folder import head_dim, max_positions
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models import Model
+from pergola.models.loader import Model
 from pergola.models.bert import BertLayer, roberta_positions
 from pergola.models.padded import PaddedLayout
 

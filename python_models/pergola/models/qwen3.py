@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergola.heads import HEAD_TASKS
-from pergola.hf_folder import ModelFolderError, head_dim, sequence_classification
+from pergola.outputs.heads import HEAD_TASKS
+from pergola.config.hf_folder import ModelFolderError, head_dim, sequence_classification
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import PendingNorm, qk_norm_rope, rms_norm, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
-from pergola.models import Model
-from pergola.rerank import AnswerIds
+from pergola.models.loader import Model
+from pergola.text.rerank import AnswerIds
 
 
 class RMSNorm(nn.Module):
@@ -240,7 +240,7 @@ class Qwen3Model(Model):
     def score(self, last_states: torch.Tensor) -> torch.Tensor:
         """[B, hidden] fp32 last-token states -> logits [B, num_labels] fp32: the `score` layer's
         (ForSequenceClassification), or a causal LM's [B, 1] logit(yes) - logit(no), whose sigmoid is
-        P(yes) = softmax([no, yes] logits)[yes] (pergola.heads activates them)."""
+        P(yes) = softmax([no, yes] logits)[yes] (pergola.outputs.heads activates them)."""
         if self.score_head is not None:
             return self.score_head(last_states.to(self.score_head.weight.dtype)).float()
         logits = (last_states.to(self.score_weight.dtype) @ self.score_weight.t()).float()  # [B, 2]

@@ -8,7 +8,7 @@ takes the encoders' query lane (engine/scheduler.py's LaneQueue: requests of at 
 a round trip per text. Packed into calls of about `batch_call_chars` characters (~16k tokens of
 English by default), a job's work rides the bulk lane: every query's step runs before it, or
 between its layers (engine/loop.py). Only lines of one model and one set of options share a call
-(EmbedOptions is its key); a call holds at most the model's max_texts texts and
+(EmbedRequest is its key); a call holds at most the model's max_texts texts and
 max_request_chars characters, which its tokenizer enforces again. A reranking line keeps its own
 call (one query per call), retried the same way.
 
@@ -34,9 +34,9 @@ from typing import Any, Awaitable, Callable, Hashable, TypeVar
 
 import numpy as np
 
-from pergola.errors import RequestError
+from pergola.text.errors import RequestError
 from pergola.gateway.admission import Admission
-from pergola.gateway.backend import Backend, EmbedOptions, Embedded, RerankOptions
+from pergola.gateway.backend import Backend, EmbedRequest, Embedded, RerankRequest
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.offload import Offload, TokenIds
@@ -205,19 +205,19 @@ class LineBackend:
         self.tokens = int(out.tokens.sum())  # type: ignore[attr-defined]
         return out
 
-    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedOptions) -> Embedded:
+    async def embed(self, model: ServedModel, texts: list[str], opts: EmbedRequest) -> Embedded:
         return self._used(await self.wave.join(
             self, ("texts", model.name, model.version, opts), model, texts, sum(map(len, texts)),
             lambda m, items: self.wave.backend.embed(m, items, opts), _sliced))
 
-    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedOptions) -> Embedded:
+    async def embed_tokens(self, model: ServedModel, ids: TokenIds, opts: EmbedRequest) -> Embedded:
         # (an input's ids are one item; a token id weighs as ~4 characters: what call_chars means for texts)
         return self._used(await self.wave.join(
             self, ("ids", model.name, model.version, opts), model, _rows(ids), 4 * int(ids.flat.size),
             lambda m, items: self.wave.backend.embed_tokens(m, _flat(items), opts), _sliced))
 
     async def rerank(self, model: ServedModel, query: str, documents: list[str],
-                     opts: RerankOptions = RerankOptions()) -> Any:
+                     opts: RerankRequest = RerankRequest()) -> Any:
         self.arrive()
         return self._used(await retrying(lambda: self.wave.backend.rerank(model, query, documents, opts)))
 

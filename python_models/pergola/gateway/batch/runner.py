@@ -32,7 +32,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.errors import RequestError
+from pergola.text.errors import RequestError
 from pergola.gateway import openai_api, rerank_api
 from pergola.gateway.backend import Backend
 from pergola.gateway.batch import lines

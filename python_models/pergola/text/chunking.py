@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pergola.errors import RequestError
+from pergola.text.errors import RequestError
 
 
 class ChunkLimits(NamedTuple):

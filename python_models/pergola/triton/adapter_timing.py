@@ -27,6 +27,8 @@ import os
 import time
 from pathlib import Path
 
+from pergola.config.settings import settings
+
 ENV = "PERGOLA_ADAPTER_TIMING"
 MAX_REQUESTS = 200_000
 
@@ -39,7 +41,7 @@ class AdapterTiming:
 
     @classmethod
     def from_env(cls, model: str) -> AdapterTiming | None:
-        folder = os.environ.get(ENV)
+        folder = settings().adapter_timing
         return cls(Path(folder) / f"{model}-{os.getpid()}.json") if folder else None
 
     def begin(self) -> dict | None:

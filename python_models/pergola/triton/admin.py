@@ -33,7 +33,7 @@ API_KEY_HEADER = "pergola-api-key"
 GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 TOKEN_FILE_NAME = ".admin-token"
 # A config parameter that a recovery load sets to a new value: the changed config makes Triton load
-# a fresh copy of the model (a load that changes nothing is a no-op; pergola/supervisor.py).
+# a fresh copy of the model (a load that changes nothing is a no-op; pergola/triton/supervisor.py).
 RECOVERY_PARAMETER = "pergola_recovery"
 # Triton parses `APIS:KEY=VALUE`; a token holds none of ':', '=', ',' or whitespace.
 _TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
@@ -134,7 +134,7 @@ class RepositoryClient:
 
 
 class ModelLoader:
-    """Triton's repository load over gRPC, with the admin token (pergola/supervisor.py: a load
+    """Triton's repository load over gRPC, with the admin token (pergola/triton/supervisor.py: a load
     over HTTP held the inference requests of other models that shared its Triton HTTP thread)."""
 
     def __init__(self, address: str, token: str) -> None:

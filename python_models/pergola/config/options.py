@@ -22,17 +22,23 @@ _SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def option(default: Any, help: str, *, choices: Iterable[str] | None = None, metavar: str | None = None,
-           cli: bool = True) -> Any:
+           cli: bool = True, env: bool | None = None) -> Any:
     """A dataclass field declared as an option (default MISSING: required). cli=False: a field
     the program sets itself (the model folder, the instance's device), kept out of the flags and
-    the table."""
-    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar, "cli": cli}
+    the table; unless env=True: a setting read only from its PERGOLA_* variable (in the table)."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar, "cli": cli,
+                "env": cli if env is None else env}
     return field(metadata=metadata) if default is MISSING else field(default=default, metadata=metadata)
 
 
 def declared(cls: type) -> list[Field]:
     """The fields of `cls` that are command-line options."""
     return [f for f in fields(cls) if f.metadata.get("cli", False)]
+
+
+def environment_only(cls: type) -> list[Field]:
+    """The fields of `cls` read only from the environment (no flag)."""
+    return [f for f in fields(cls) if f.metadata.get("env") and not f.metadata.get("cli")]
 
 
 def flag_name(f: Field) -> str:
@@ -130,13 +136,17 @@ def default_text(f: Field) -> str:
 def markdown_table(classes: Iterable[type]) -> str:
     """The options table of docs/options.md: flag, environment variable, default, meaning."""
     rows = ["| option | environment | default | |", "| --- | --- | --- | --- |"]
+    listed = set()  # a variable is listed once: where its flag declares it (PERGOLA_REPO, PERGOLA_API_KEY, ...)
     for cls in classes:
-        for f in declared(cls):
+        for f in declared(cls) + environment_only(cls):
+            if env_name(f) in listed or (not f.metadata["cli"] and f"`{env_name(f)}`" in "".join(rows)):
+                continue
+            listed.add(env_name(f))
             kind, _ = value_type(f)
             choices = f.metadata["choices"]
             flag = flag_name(f) if kind is not bool else f"{flag_name(f)}, --no-{flag_name(f)[2:]}"
             value = "|".join(choices) if choices else ("" if kind is bool else metavar_of(f))
-            name = f"`{flag}{' ' + value if value else ''}`".replace("|", "\\|")
+            name = f"`{flag}{' ' + value if value else ''}`".replace("|", "\\|") if f.metadata["cli"] else "(no flag)"
             help_text = f.metadata["help"].replace("|", "\\|")
             rows.append(f"| {name} | `{env_name(f)}` | {default_text(f)} | {help_text} |")
     return "\n".join(rows)
@@ -145,7 +155,7 @@ def markdown_table(classes: Iterable[type]) -> str:
 def from_environment(cls: type) -> Any:
     """An instance of `cls` from its PERGOLA_* environment variables (defaults where unset)."""
     values = {}
-    for f in declared(cls):
+    for f in declared(cls) + environment_only(cls):
         raw = os.environ.get(env_name(f))
         if raw is not None:
             values[f.name] = convert(f, raw, env_name(f))

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from string import Template
 
-from pergola.config import EngineConfig, TritonModelOptions
-from pergola.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER, label_names
-from pergola.hf_folder import load_model_spec
-from pergola.rerank import pair_max_length
-from pergola.token_outputs import TOKEN_OUTPUT_TYPES
+from pergola.config.engine import EngineConfig, TritonModelOptions
+from pergola.outputs.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER, label_names
+from pergola.config.hf_folder import load_model_spec
+from pergola.text.rerank import pair_max_length
+from pergola.outputs.token_outputs import TOKEN_OUTPUT_TYPES
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # python_models/pergola
 PROJECT_ROOT = PACKAGE_DIR.parents[1]
 TEMPLATES = PROJECT_ROOT / "ensemble_configs"
 ADAPTERS = PROJECT_ROOT / "python_models"
@@ -59,7 +59,7 @@ def _parameters_block(params: dict[str, str]) -> str:
 
 def token_output_blocks(heads: bool) -> dict[str, str]:
     """The embed ensemble's `token_outputs` (output list) and `token_output_map` (encoder step):
-    bge-m3's ragged outputs (pergola.token_outputs), declared and mapped only for a model with the heads."""
+    bge-m3's ragged outputs (pergola.outputs.token_outputs), declared and mapped only for a model with the heads."""
     if not heads:
         return {"token_outputs": "", "token_output_map": ""}
     declared = "".join(f',\n  {{ name: "{n}" data_type: TYPE_{t} dims: [ {d} ] }}'
@@ -103,7 +103,7 @@ TASKS = {
 def instance_group(gpu: bool, gpus: list[int] | None = None) -> str:
     """The encoder's instance_group body: one instance on the CPU, or one per GPU: every GPU
     Triton sees (no `gpus` list), or those listed. Each instance's stub takes its own device
-    (triton_io.instance_device: `model_instance_device_id`)."""
+    (pergola.triton.adapter.instance_device: `model_instance_device_id`)."""
     if not gpu:
         if gpus:
             raise ValueError("a GPU list needs encoder instances on the GPU (--device gpu)")

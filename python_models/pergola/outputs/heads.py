@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from pergola.hf_folder import ModelSpec
+from pergola.config.hf_folder import ModelSpec
 
 Activation = Literal["sigmoid", "softmax"]
 LABELS_PARAMETER = "labels"  # a classifier's encoder config.pbtxt: its label names, a JSON list

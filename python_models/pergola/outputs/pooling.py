@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from pergola.hf_folder import TOKEN_HEADS, DenseModule, ModelFolderError, ModelSpec
+from pergola.config.hf_folder import TOKEN_HEADS, DenseModule, ModelFolderError, ModelSpec
 from pergola.layers.linear import Linear
 
 # Dense activations by their saved name (hf_folder.DENSE_ACTIVATIONS), None: Identity.

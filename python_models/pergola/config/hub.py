@@ -64,7 +64,7 @@ def parse_model_id(value: str) -> tuple[str, str | None] | None:
     return match["repo"], match["revision"]
 
 
-def cache_dir() -> Path:
+def hub_cache_dir() -> Path:
     """The Hugging Face cache huggingface_hub uses here (HF_HUB_CACHE, else HF_HOME/hub)."""
     from huggingface_hub import constants
 
@@ -94,7 +94,7 @@ def cached_commit(repo_id: str, revision: str | None) -> Path | None:
     OfflineModeIsEnabled; seen on the GPU host's 1.x, not with 2.4)."""
     if revision is None or not COMMIT.fullmatch(revision):
         return None
-    folder = cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
+    folder = hub_cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
     return folder if folder.is_dir() else None
 
 
@@ -120,7 +120,7 @@ def snapshot(repo_id: str, revision: str | None = None) -> Path:
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         where = "HF_HUB_OFFLINE=1 is set" if offline() else f"the Hub could not be reached ({e.__cause__ or e})"
         raise HubError(
-            f"{spec} is not a folder here, nor in the Hugging Face cache {cache_dir()}, and {where}: fill the cache with "
+            f"{spec} is not a folder here, nor in the Hugging Face cache {hub_cache_dir()}, and {where}: fill the cache with "
             f"`pergola download {spec}` where the Hub is reachable, or point HF_HUB_CACHE (or HF_HOME) at "
             "a cache that holds it") from None
     except HfHubHTTPError as e:

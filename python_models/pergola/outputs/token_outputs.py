@@ -20,12 +20,12 @@ import json
 
 import numpy as np
 
-from pergola.errors import RequestError
-from pergola.hf_folder import ModelSpec
+from pergola.text.errors import RequestError
+from pergola.config.hf_folder import ModelSpec
 
 DEFAULT_OUTPUTS = ("dense",)
 # bge-m3's ragged output tensors, by name: (Triton data type, dims), in the order the embed ensemble
-# declares them (pergola.repo_builder), the gateway asks for them and the encoder builds them.
+# declares them (pergola.triton.repo_builder), the gateway asks for them and the encoder builds them.
 TOKEN_OUTPUT_TYPES = {"SPARSE_INDICES": ("INT64", "-1"), "SPARSE_VALUES": ("FP32", "-1"),
                       "SPARSE_OFFSETS": ("INT64", "-1"), "TOKEN_EMBEDDINGS": ("FP32", "-1, -1"),
                       "TOKEN_OFFSETS": ("INT64", "-1")}

@@ -6,7 +6,7 @@ Each input is tokenized as transformers' `tokenizer(text, text_pair, truncation=
 </s> for XLM-R) and, for a pair over the limit, "longest_first" truncation (the longer side loses
 a token at a time). TRUNCATE_MODE END cuts the end (transformers' default), START the start
 (truncation_side="left"), NONE refuses an input over the model's limit. The probabilities are the
-head's logits through softmax or sigmoid (pergola.heads), the logits themselves with RAW_SCORES.
+head's logits through softmax or sigmoid (pergola.outputs.heads), the logits themselves with RAW_SCORES.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.errors import RequestError, StringLimits, read_strings
-from pergola.hf_folder import ModelSpec
-from pergola.tokenization import truncate_mode
+from pergola.text.errors import RequestError, StringLimits, read_strings
+from pergola.config.hf_folder import ModelSpec
+from pergola.text.tokenization import truncate_mode
 
 
 @dataclass(frozen=True)

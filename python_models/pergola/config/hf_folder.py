@@ -3,7 +3,7 @@
 Everything pergola needs to know about a model that the folder itself decides lives here:
 architecture, pooling, sentence-transformers Dense modules, normalisation, truncation length,
 named prompts. Serving settings (device, token budget, limits) live in
-`pergola.config.EngineConfig` instead.
+`pergola.config.engine.EngineConfig` instead.
 """
 
 from __future__ import annotations
@@ -13,27 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pergola.models import MODEL_TYPES, model_types, offset_positions
+
 Pooling = Literal["mean", "cls", "last"]
 Task = Literal["embed", "rerank", "classify"]
 
-# HF `model_type` -> pergola architecture file (pergola/models/<name>.py). RoBERTa and
-# XLM-RoBERTa are BERT with another position numbering and head (models/bert.py).
-ARCHITECTURES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "mpnet": "mpnet", "qwen2": "qwen3",
-                 "qwen3": "qwen3", "gemma3_text": "gemma3", "modernbert": "modernbert"}
-# Decoder model types: last-token pooling by default, causal unless the config says otherwise
-# (EmbeddingGemma's says use_bidirectional_attention).
-DECODERS = ("qwen2", "qwen3", "gemma3_text")
-# Model types served as rerankers: sequence classification, or a causal LM's yes/no logits
-# (Qwen3-Reranker, mxbai-rerank-v2).
-RERANKERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen2", "qwen3")
-# Model types served as classifiers (sequence classification with several labels: `classify`).
-CLASSIFIERS = ("bert", "roberta", "xlm-roberta", "modernbert", "qwen2", "qwen3")
-# Prompts a reranker's pairs may be laid out in (pergola.rerank.RERANK_KINDS; `rerank_prompt`).
+# Prompts a reranker's pairs may be laid out in (pergola.text.rerank.RERANK_KINDS; `rerank_prompt`).
 RERANK_PROMPTS = ("cross-encoder", "qwen3-reranker", "mxbai-rerank-v2")
 # sentence-transformers' module that scores a causal LM's last-token logits (CrossEncoder, 5.4+).
 LOGIT_SCORE = "LogitScore"
-# Model types whose positions start at padding index + 1 (fairseq numbering).
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "mpnet")
 # bge-m3's per-token heads (FlagEmbedding's BGEM3): the output each gives besides the dense vector,
 # and the state dict beside the model that holds it. An embedding folder with them serves them.
 TOKEN_HEADS = {"sparse": "sparse_linear.pt", "colbert": "colbert_linear.pt"}
@@ -47,7 +35,6 @@ class ModelFolderError(ValueError):
 DENSE_ACTIVATIONS = ("torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Tanh",
                      "torch.nn.modules.activation.ReLU", "torch.nn.modules.activation.GELU",
                      "torch.nn.modules.activation.Sigmoid", "torch.nn.modules.activation.SiLU")
-IDENTITY = DENSE_ACTIVATIONS[0]
 
 
 @dataclass(frozen=True)
@@ -218,7 +205,7 @@ def max_positions(hf_config: dict[str, Any]) -> int:
     """Longest sequence the position table covers. RoBERTa-family and MPNet positions start at
     pad_token_id + 1, so XLM-R's 514 rows hold 512 tokens."""
     limit = int(hf_config.get("max_position_embeddings", 512))
-    if hf_config.get("model_type") in OFFSET_POSITIONS:
+    if offset_positions(hf_config.get("model_type")):
         limit -= int(hf_config.get("pad_token_id", 1)) + 1
     return limit
 
@@ -249,12 +236,13 @@ def load_model_spec(
     if not (path / "tokenizer.json").is_file():
         raise ModelFolderError(f"{path}: no tokenizer.json (a fast tokenizer file is required)")
     model_type = str(hf_config.get("model_type", ""))
-    if model_type not in ARCHITECTURES:
+    if model_type not in MODEL_TYPES:
         raise ModelFolderError(
-            f"{path}: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+            f"{path}: model_type {model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}"
         )
+    architecture = MODEL_TYPES[model_type]
     position_type = hf_config.get("position_embedding_type", "absolute")
-    if ARCHITECTURES[model_type] == "bert" and position_type not in ("absolute", None):
+    if architecture.name == "bert" and position_type not in ("absolute", None):
         raise ModelFolderError(f"{path}: position_embedding_type {position_type!r} is not supported; "
                                f"{model_type} folders are served with absolute position embeddings")
     archs = [str(a) for a in hf_config.get("architectures") or []]
@@ -267,14 +255,14 @@ def load_model_spec(
     if answer_tokens is not None:  # a CrossEncoder scoring a causal LM's answer tokens
         folder_task = "rerank"
     task = task or folder_task
-    if task == "rerank" and model_type not in RERANKERS:
-        raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: {list(RERANKERS)}")
+    if task == "rerank" and "rerank" not in architecture.tasks:
+        raise ModelFolderError(f"{path}: {model_type} is served as an embedder only; rerankers: {model_types('rerank')}")
     if rerank_prompt is not None:
         if rerank_prompt not in RERANK_PROMPTS:
             raise ModelFolderError(f"rerank prompt {rerank_prompt!r} is not one of {list(RERANK_PROMPTS)}")
         if task != "rerank":
             raise ModelFolderError(f"{path}: a rerank prompt applies to rerankers; this folder is served as {task}")
-        decoder_lm = model_type in DECODERS and not sequence_classification(hf_config)
+        decoder_lm = architecture.decoder and not sequence_classification(hf_config)
         yes_no = rerank_prompt != "cross-encoder"
         if (decoder_lm and not yes_no) or (yes_no and model_type not in ("qwen2", "qwen3")):
             raise ModelFolderError(
@@ -282,9 +270,9 @@ def load_model_spec(
                 f"{'causal LM' if decoder_lm else 'sequence classifier'}: the yes/no prompts (qwen3-reranker, "
                 "mxbai-rerank-v2) serve Qwen2/Qwen3 causal LMs and their ForSequenceClassification heads, "
                 "cross-encoder serves sequence classifiers")
-    if task == "classify" and (model_type not in CLASSIFIERS or labels < 2):
+    if task == "classify" and ("classify" not in architecture.tasks or labels < 2):
         raise ModelFolderError(f"{path}: classify serves a ...ForSequenceClassification head with several labels "
-                               f"(config id2label) of {list(CLASSIFIERS)}; this folder is {model_type} with "
+                               f"(config id2label) of {model_types('classify')}; this folder is {model_type} with "
                                f"{labels} label(s)")
 
     # A sentence-transformers embedding pipeline; a CrossEncoder's modules.json describes its head.
@@ -296,7 +284,7 @@ def load_model_spec(
     st_prompts = _read_json(path / "config_sentence_transformers.json") or {}
     tok_config = _read_json(path / "tokenizer_config.json") or {}
 
-    is_decoder = model_type in DECODERS
+    is_decoder = architecture.decoder
     # Decoders attend causally unless the folder says otherwise: pplx-embed style
     # `use_bidirectional_attention`, or `is_causal: false` (gte-Qwen2's remote code reads it).
     bidirectional = hf_config.get("use_bidirectional_attention", False) or hf_config.get("is_causal") is False
@@ -317,7 +305,7 @@ def load_model_spec(
     _check_dense(path, dense, pooling, int(hf_config["hidden_size"]))
     return ModelSpec(
         path=path,
-        architecture=ARCHITECTURES[model_type],
+        architecture=architecture.name,
         hf_config=hf_config,
         task=task,
         pooling=pooling,

@@ -19,22 +19,20 @@ everything and truncating.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from pergola.chunking import ChunkLimits, late_ranges, text_spans, window_count, window_starts
-from pergola.config import EngineConfig
-from pergola.errors import RequestError, StringLimits, quote, read_strings
-from pergola.hf_folder import ModelFolderError, ModelSpec
+from pergola.text.chunking import ChunkLimits, late_ranges, text_spans, window_count, window_starts
+from pergola.config.engine import EngineConfig
+from pergola.text.errors import RequestError, StringLimits, quote, read_strings
+from pergola.config.hf_folder import ModelFolderError, ModelSpec
 
 # A first prefix of CHARS_PER_TOKEN characters per kept token covers them in nearly every
 # language (English ~4.5 characters a token, CJK ~1, code with long whitespace tokens more);
 # when it does not, the prefix doubles.
 CHARS_PER_TOKEN = 8
 
-TruncateMode = Literal["NONE", "START", "END"]
 TRUNCATE_MODES: tuple[str, ...] = ("NONE", "START", "END")
 
 
@@ -203,7 +201,7 @@ class Encoded:
 
 @dataclass(frozen=True)
 class Chunks:
-    """Texts cut into windows (pergola.chunking): what to encode, and which chunk is which."""
+    """Texts cut into windows (pergola.text.chunking): what to encode, and which chunk is which."""
 
     encoded: Encoded  # the sequences: a window's text each (each, mean), or the encoding windows (late)
     sequences: np.ndarray  # [n] int32: sequences of each text, in order
@@ -382,7 +380,7 @@ class TextTokenizer:
     def chunk(self, texts: list[str | bytes], size: int | None = None, overlap: int = 0, late: bool = False,
               prompt_name: str | None = None, limits: ChunkLimits | None = None) -> Chunks:
         """Texts cut into windows of `size` text tokens (0 or None: the most a sequence holds beside
-        the special tokens and the prompt), neighbours sharing `overlap` (pergola.chunking). `late`:
+        the special tokens and the prompt), neighbours sharing `overlap` (pergola.text.chunking). `late`:
         each text is encoded whole, in windows of the model's length, and its chunks are CHUNK_SPANS
         over them. `size` and `overlap` are checked before anything is tokenized, the windows
         against `limits` before anything is encoded."""

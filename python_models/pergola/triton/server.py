@@ -23,13 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pergola.admin import redact, restricted_api_flags
-from pergola.options import option
-
-
-def cache_dir() -> Path:
-    """pergola's cache folder: $PERGOLA_CACHE, else ~/.cache/pergola (Triton backends, the Qwen3 tokenizer)."""
-    return Path(os.environ.get("PERGOLA_CACHE", Path.home() / ".cache" / "pergola"))
+from pergola.triton.admin import redact, restricted_api_flags
+from pergola.config.options import option
+from pergola.config.settings import cache_dir, settings
 
 
 class ServerError(RuntimeError):
@@ -42,7 +38,7 @@ def _pytriton_root() -> Path:
     PERGOLA_TRITON_ROOT, when set, names the unpacked `tritonserver` folder directly (offline GPU
     hosts: scripts/gpu_setup.sh), so the `pytriton` package and its dependencies need not import.
     """
-    override = os.environ.get("PERGOLA_TRITON_ROOT")
+    override = settings().triton_root
     if override:
         server = Path(override).resolve()
         if not (server / "bin" / "tritonserver").is_file():
@@ -94,7 +90,7 @@ class TritonInstall:
         )
         # The stub's interpreter is the first python3 on PATH: this environment's, unless
         # PERGOLA_STUB_BIN names another (a venv with numpy 1.x beside a numpy-2 torch install).
-        stub_bin = os.environ.get("PERGOLA_STUB_BIN") or str(Path(sys.executable).parent)
+        stub_bin = settings().stub_bin or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}:{env.get('PATH', '')}"
         return env
 
@@ -116,7 +112,7 @@ def is_loopback(address: str) -> bool:
 
 @dataclass
 class ServerOptions:
-    """How tritonserver runs; the declared options are `pergola serve` flags (pergola.options)."""
+    """How tritonserver runs; the declared options are `pergola serve` flags (pergola.config.options)."""
 
     repo: Path
     http_port: int = option(8000, "HTTP port (Triton's KServe v2 REST API)")
@@ -147,7 +143,7 @@ class ServerOptions:
                                           "a minute on a host that overcommits; 0: half of this host's (or container's) memory; "
                                           "negative: no limit")
     # The repository, logging, trace and shared-memory APIs answer only calls that carry this
-    # token (pergola.admin); a fresh random one unless the caller has one to share.
+    # token (pergola.triton.admin); a fresh random one unless the caller has one to share.
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     extra: list[str] = field(default_factory=list)
 
@@ -307,7 +303,7 @@ class RepoLock:
 def _stop_now(proc: subprocess.Popen, repo: Path, grace_s: float = 1.0) -> None:
     """End a broken server: SIGTERM, SIGKILL after `grace_s` (a dead stub can hold Triton's
     shutdown for its whole exit timeout), then its remaining stubs."""
-    from pergola.supervisor import stub_pids
+    from pergola.triton.supervisor import stub_pids
 
     proc.terminate()
     try:
@@ -365,7 +361,7 @@ def _forward_output(proc: subprocess.Popen) -> ServerOutput:
 
 def _wait_exit(proc: subprocess.Popen, repo: Path, out: ServerOutput, orphans: int, timeout_s: float = 45.0) -> int:
     """tritonserver's exit code once it has stopped. A model copy replaced after its stub died is
-    never unloaded (pergola/supervisor.py), and Triton's shutdown would wait its whole exit
+    never unloaded (pergola/triton/supervisor.py), and Triton's shutdown would wait its whole exit
     timeout (30 s) for it: once no more versions are left than such copies (`orphans`; Triton's
     shutdown log counts them), the server is ended at once. Triton waits up to its exit timeout for
     in-flight requests; one that hangs longer is killed."""
@@ -416,7 +412,7 @@ def server_memory_limit(gb: float) -> int:
 def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = None) -> int:
     """Run tritonserver in the foreground: load a model again when one of its stubs dies, and
     restart the server when that fails or the server itself crashes, hangs or runs away with
-    memory while serving (`make serve`; pergola/supervisor.py).
+    memory while serving (`make serve`; pergola/triton/supervisor.py).
 
     SIGINT and SIGTERM end the watch first (no restart may race the shutdown), call `on_stop`
     (`pergola serve`: the gateway's own graceful stop, which closes its connections to
@@ -424,8 +420,8 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
     returns; so does a server that exits before it was ever ready (a configuration error:
     restarting would not help).
     """
-    from pergola.admin import ModelLoader, RepositoryClient
-    from pergola.supervisor import Supervisor
+    from pergola.triton.admin import ModelLoader, RepositoryClient
+    from pergola.triton.supervisor import Supervisor
 
     install = TritonInstall.prepare()
     shm_prefix = f"pergola_{os.getpid()}_"

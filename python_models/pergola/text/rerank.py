@@ -40,20 +40,15 @@ Tokenization is batched through HF `tokenizers`; the only Python loop gathers id
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.config import EngineConfig
-from pergola.errors import RequestError, StringLimits, read_strings
-from pergola.hf_folder import ModelFolderError, ModelSpec, sequence_classification
-from pergola.tokenization import Template, cut, truncate_mode, window
-
-RerankKind = Literal["cross-encoder", "qwen3-reranker", "mxbai-rerank-v2"]
-RERANK_KINDS: tuple[str, ...] = ("cross-encoder", "qwen3-reranker", "mxbai-rerank-v2")
-# The prompts whose score is read from two answer tokens' logits: their (no, yes) words.
-ANSWER_WORDS: dict[str, tuple[str, str]] = {"qwen3-reranker": ("no", "yes"), "mxbai-rerank-v2": ("0", "1")}
+from pergola.config.engine import EngineConfig
+from pergola.text.errors import RequestError, StringLimits, read_strings
+from pergola.config.hf_folder import ModelSpec
+from pergola.config.reranker import ANSWER_WORDS, RERANK_KINDS, AnswerIds, RerankKind, answer_ids, reranker_kind, yes_no_head
+from pergola.text.tokenization import Template, cut, truncate_mode, window
 
 QWEN3_RERANKER_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
@@ -91,59 +86,6 @@ def pair_max_length(spec: ModelSpec, kind: RerankKind | None = None) -> int:
     return min(spec.max_seq_length, QWEN3_RERANKER_MAX_LENGTH) if kind in ANSWER_WORDS else spec.max_seq_length
 
 
-def reranker_kind(spec: ModelSpec) -> RerankKind:
-    """How a folder's pairs are laid out: "cross-encoder" (the tokenizer's pair template: BERT,
-    XLM-RoBERTa, ModernBERT, and decoder ForSequenceClassification heads), or a yes/no prompt of a
-    causal LM ("qwen3-reranker" for Qwen3, "mxbai-rerank-v2" for Qwen2, or as its
-    sentence-transformers LogitScore tokens say). `spec.rerank_prompt` overrides it."""
-    if spec.task != "rerank":
-        raise ValueError(f"{spec.path} is served as {spec.task!r}, not as a reranker")
-    if spec.rerank_prompt is not None:
-        return spec.rerank_prompt  # type: ignore[return-value]
-    if spec.architecture != "qwen3" or sequence_classification(spec.hf_config):
-        return "cross-encoder"
-    if spec.answer_token_ids is not None:  # a sentence-transformers LogitScore module names the tokens
-        tokenizer = Tokenizer.from_file(str(spec.tokenizer_file))
-        words = tuple(tokenizer.id_to_token(i) for i in spec.answer_token_ids)
-        for kind, answer in ANSWER_WORDS.items():
-            if words == answer:
-                return kind  # type: ignore[return-value]
-        raise ModelFolderError(f"{spec.path}: the LogitScore module scores the tokens {words} (no, yes); pergola "
-                               f"serves the prompts of {dict(ANSWER_WORDS)}")
-    return "mxbai-rerank-v2" if spec.hf_config.get("model_type") == "qwen2" else "qwen3-reranker"
-
-
-def yes_no_head(spec: ModelSpec) -> bool:
-    """The score is read from two rows of the LM head (a causal LM reranker), not a `score` layer."""
-    return spec.task == "rerank" and spec.architecture == "qwen3" and not sequence_classification(spec.hf_config)
-
-
-class AnswerIds(NamedTuple):
-    """Token ids of a yes/no reranker's answer words: its score is softmax([no, yes] logits)[yes]."""
-
-    no: int
-    yes: int
-
-
-def answer_ids(spec: ModelSpec, tokenizer: Tokenizer | None = None, kind: str | None = None) -> AnswerIds:
-    """The ids of the answer words ("no"/"yes", "0"/"1") of prompt `kind` (default: the folder's)
-    in the folder's tokenizer (`tokenizer`: that file, already loaded), or those its
-    sentence-transformers LogitScore module names."""
-    if spec.answer_token_ids is not None:
-        return AnswerIds(*spec.answer_token_ids)
-    kind = kind or reranker_kind(spec)
-    if kind not in ANSWER_WORDS:
-        raise ModelFolderError(f"{spec.path}: a causal LM reranker needs a yes/no prompt "
-                               f"({', '.join(ANSWER_WORDS)}), not {kind!r}")
-    tokenizer = tokenizer or Tokenizer.from_file(str(spec.tokenizer_file))
-    words = ANSWER_WORDS[kind]
-    no, yes = (tokenizer.token_to_id(w) for w in words)
-    if no is None or yes is None:
-        raise ModelFolderError(f"{spec.path}: the tokenizer has no {words[1]!r}/{words[0]!r} tokens; "
-                               f"is this a {kind} reranker?")
-    return AnswerIds(int(no), int(yes))
-
-
 @dataclass(frozen=True)
 class RerankEncoded:
     input_ids: np.ndarray  # [num_tokens] int64: every pair's ids, concatenated
@@ -155,7 +97,7 @@ class RerankEncoded:
 class RerankTokenizer:
     """Turns one rerank request (a query and its documents) into flat token ids.
 
-    Documents are tokenized without special tokens, cut in numpy (`pergola.tokenization.cut`:
+    Documents are tokenized without special tokens, cut in numpy (`pergola.text.tokenization.cut`:
     END keeps a document's start, START its end; the query and a Qwen3 instruction are never
     cut) and wrapped as the tokenizer's post-processor does (`Template`), so the ids equal
     Hugging Face's truncation "only_second" (cross-encoder) or the official reference's.

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from pergola.admin import AdminError, RepositoryClient
+from pergola.triton.admin import AdminError, RepositoryClient
 
-log = logging.getLogger("pergola.supervisor")
+log = logging.getLogger("pergola.triton.supervisor")
 RECOVERING_FILE = ".recovering.json"  # in the repository folder: the parts being loaded again
 
 

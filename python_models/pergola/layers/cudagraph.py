@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -33,46 +32,24 @@ def warm_blas(stream: torch.cuda.Stream) -> None:
     done.add(stream.cuda_stream)
 
 
-def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple | None = None,
-            stream: torch.cuda.Stream | None = None, carveout: int | None = None) -> None:
-    """Record fn()'s kernels into `graph` on a side stream (capture is illegal on the default one),
-    or on `stream` (a green context's: engine/green.py), sized for every SM or, with `carveout`,
-    for that many fewer (a green context's lane: the SMs outside it).
+def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool: tuple | None = None) -> None:
+    """Record fn()'s kernels into `graph` on a side stream (capture is illegal on the default one).
 
     Unlike `torch.cuda.graph`, this skips the housekeeping before every capture: a device-wide
     synchronize and emptying the CUDA and pinned-host caches (plus gc.collect() on some torch
     versions). A probe that captures ~20 small graphs at start-up, or a lazy capture mid-serving,
     would pay that each time and re-allocate everything afterwards.
     """
+    device = torch.cuda.current_device()
+    stream = _capture_streams.get(device)
     if stream is None:
-        device = torch.cuda.current_device()
-        stream = _capture_streams.get(device)
-        if stream is None:
-            stream = _capture_streams[device] = torch.cuda.Stream()
+        stream = _capture_streams[device] = torch.cuda.Stream()
     warm_blas(stream)
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), sm_carveout(carveout):
+    with torch.cuda.stream(stream):
         graph.capture_begin(*(() if pool is None else (pool,)))
         try:
             fn()
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
-
-
-@contextmanager
-def sm_carveout(carveout: int | None):
-    """The SM carveout a capture runs under: the kernels a graph records (cuBLAS's choice for its
-    SM target, the persistent tiles' grid) are replayed for good, so they are chosen for the SMs
-    the graph will always run on — every SM (None), not the margin the encode loop leaves to
-    queries at that moment (query_sm_margin), or its green context's (query_green_sms)."""
-    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
-    before = get() if get is not None else None
-    if before == carveout:
-        yield
-        return
-    torch._C._set_sm_carveout_experimental(carveout)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)

@@ -25,7 +25,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from pergola.errors import RequestError
+from pergola.text.errors import RequestError
 
 DEFAULT_ENCODING = "float32"
 INT8_SCALE = 127.0

@@ -7,10 +7,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pergola.chunking import ChunkLimits
-from pergola.errors import StringLimits
-from pergola.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
-from pergola.options import convert, option
+from pergola.text.chunking import ChunkLimits
+from pergola.text.errors import StringLimits
+from pergola.config.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
+from pergola.config.options import convert, option
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The names of pergola.layers.attention.BACKENDS, spelled out because this module must import
@@ -26,10 +26,10 @@ CUDA_GRAPH_MAX_TOKENS = 4096
 @dataclass
 class EngineConfig:
     """Serving settings of one model: every field is a config.pbtxt parameter of the same name,
-    and (unless cli=False) a `pergola serve` flag and a PERGOLA_<NAME> variable (pergola.options)."""
+    and (unless cli=False) a `pergola serve` flag and a PERGOLA_<NAME> variable (pergola.config.options)."""
 
     model_dir: str = option(MISSING, "Hugging Face folder (weights, tokenizer, sentence-transformers files)", cli=False)
-    model_id: str | None = option(None, "the Hub id the folder is a snapshot of (ORG/NAME; pergola.hub)", cli=False)
+    model_id: str | None = option(None, "the Hub id the folder is a snapshot of (ORG/NAME; pergola.config.hub)", cli=False)
     model_revision: str | None = option(None, "the commit of model_id that the snapshot holds", cli=False)
     device: str = option("cpu", "cpu or cuda:N; the Triton instance decides", cli=False)
     dtype: str = option("auto", "compute dtype; auto: bfloat16 on a GPU, float32 on the CPU",
@@ -41,29 +41,6 @@ class EngineConfig:
                                      "their steps come first and run between the layers of a large "
                                      "step in flight, so a query waits about one layer, not a whole step "
                                      "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
-    query_stream: bool = option(False, "GPU, experimental: queries' steps run on a CUDA stream of their own at "
-                                       "the highest priority, beside a bulk step's kernels (taking SMs as its "
-                                       "blocks finish) instead of in turn with them; meant to cut what each query "
-                                       "costs the bulk work (~2 ms on an H100 in turn, about its whole batch-1 "
-                                       "forward). Alone it made a query wait 14.8 ms p50 under 100 x 512 in "
-                                       "process (the bulk kernels hold the SMs; perf/RESULTS.md, mixed traffic); "
-                                       "with query_sm_margin 8 it took 15.1 ms, with query_green_sms 8 10.5 ms "
-                                       "(H200), against 2.9 ms in turn: off")
-    query_sm_margin: int = option(0, "GPU, experimental, with query_stream: while queries are about (one in flight "
-                                     "or queued, or launched in the last 20 ms), the bulk step's cuBLAS matmuls "
-                                     "and the persistent Triton tiles target this many SMs fewer (PyTorch's SM "
-                                     "carveout), so that a query's kernels find SMs free instead of waiting for "
-                                     "a persistent matmul to end. A margin of 8 kept 99.1% of the bulk under "
-                                     "100 x 512 but the query took 15.1 ms p50 in process (H200; 2.9 ms in turn, "
-                                     "perf/RESULTS.md, mixed traffic): the bulk's attention and elementwise kernels "
-                                     "are not narrowed")
-    query_green_sms: int = option(0, "GPU, experimental, with query_stream: split the GPU with CUDA green contexts, "
-                                     "queries' steps on this many SMs of their own (rounded up to the GPU's "
-                                     "granularity, 8 on Hopper) and bulk steps on the rest, a split every kernel "
-                                     "honours (query_sm_margin's binds the matmuls only); the bulk work loses those "
-                                     "SMs also when no query comes. Needs NVIDIA's cuda-bindings. On 8 SMs a "
-                                     "128-token query took 10.5 ms p50 in process and the split's bulk ran at "
-                                     "86% of the unsplit engine's (H200; perf/RESULTS.md, mixed traffic)")
     query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
                                        "tokens (at most query_tokens). Bulk work then loses less to queries (88% "
                                        "of its throughput kept instead of 83% at 2,048, H200, 100 x 512 tokens) "
@@ -144,14 +121,6 @@ class EngineConfig:
         for name in ("query_tokens", "query_fill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
-        for name in ("query_sm_margin", "query_green_sms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
-            if getattr(self, name) and not (self.query_stream and self.query_tokens):
-                raise ValueError(f"{name} leaves SMs to queries on their own stream: it needs query_stream "
-                                 "and query_tokens")
-        if self.query_sm_margin and self.query_green_sms:
-            raise ValueError("query_sm_margin and query_green_sms are two ways to leave SMs to queries; set one")
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be 0 (auto) or positive, got {self.max_batch_tokens}")
         for name in ("max_batch_seqs", "max_texts", "max_documents", "max_text_chars",

@@ -14,12 +14,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pergola.classify import ClassifyOptions
-from pergola.encodings import check_encoding
-from pergola.errors import RequestError, bounded, decode_utf8
-from pergola.rerank import RerankOptions
-from pergola.token_outputs import DEFAULT_OUTPUTS, check_outputs
-from pergola.tokenization import truncate_mode
+from pergola.text.classify import ClassifyOptions
+from pergola.text.encodings import check_encoding
+from pergola.text.errors import RequestError, bounded, decode_utf8
+from pergola.text.rerank import RerankOptions
+from pergola.outputs.token_outputs import DEFAULT_OUTPUTS, check_outputs
+from pergola.text.tokenization import truncate_mode
 
 MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)
 # A request parameter the gateway sets on work it admitted, having weighed it against all the work
@@ -81,9 +81,9 @@ class EmbedOptions(NamedTuple):
 
     dimensions: int  # leading dimensions kept, 0: all
     normalize: bool
-    encoding: str  # pergola.encodings
-    outputs: tuple[str, ...] = DEFAULT_OUTPUTS  # dense, sparse, colbert (pergola.token_outputs)
-    spans: Any = None  # late chunking's pergola.chunking.SpanPlan (CHUNK_SPANS): one row per chunk
+    encoding: str  # pergola.text.encodings
+    outputs: tuple[str, ...] = DEFAULT_OUTPUTS  # dense, sparse, colbert (pergola.outputs.token_outputs)
+    spans: Any = None  # late chunking's pergola.text.chunking.SpanPlan (CHUNK_SPANS): one row per chunk
 
 
 class TokenizerAdapter:
@@ -93,13 +93,13 @@ class TokenizerAdapter:
 
     def _setup(self, pb_utils: Any, args: dict[str, str]) -> Any:
         """-> the model's EngineConfig (from config.pbtxt)."""
-        from pergola.config import EngineConfig
-        from pergola.memory import HeapTrimmer
-        from pergola.metrics import TokenizerMetrics
+        from pergola.config.engine import EngineConfig
+        from pergola.triton.memory import HeapTrimmer
+        from pergola.triton.metrics import TokenizerMetrics
 
         end_with_server()
         self.cfg = EngineConfig.from_triton_args(args)
-        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
+        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/triton/memory.py)
         self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
         return self.cfg
 
@@ -198,7 +198,7 @@ def admitted(request: Any) -> bool:
     return bool(json.loads(request.parameters() or "{}").get(ADMITTED))
 
 
-def error_response(pb_utils: Any, exc: Exception) -> Any:
+def inference_error(pb_utils: Any, exc: Exception) -> Any:
     """A Triton error response; RequestError is the client's to fix (INVALID_ARG)."""
     if isinstance(exc, RequestError):
         return pb_utils.InferenceResponse(

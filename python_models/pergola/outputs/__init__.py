@@ -1,0 +1,1 @@
+"""What the model's hidden states become: pooling, scoring heads, per-token outputs."""

@@ -1,0 +1,1 @@
+"""Request text: tokenization, rerank and classify request logic, chunking, encodings, request errors."""
