@@ -27,10 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder, parse_variants, pergola_embed  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
-
 from pergola.config.engine import EngineConfig  # noqa: E402
-from pergola.engine import Engine  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.engine import Engine  # noqa: E402
 
 KINDS = [  # (kind, substrings of kernel names), first match wins (FlashInfer's FA3 is a CUTLASS kernel)
     ("attention", ("flash", "Prefill", "fmha", "attention", "Attention", "Attn")),

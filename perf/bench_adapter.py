@@ -47,9 +47,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
-
-from pergola.triton.adapter_timing import ENV as TIMING_ENV  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.triton.adapter_timing import ENV as TIMING_ENV  # noqa: E402
 from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
 from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 

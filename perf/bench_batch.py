@@ -28,8 +28,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -39,7 +39,6 @@ from bench_server import NAME  # noqa: E402
 from common import cosine_min, drain, model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY, QUERY_GAP_S  # noqa: E402
-
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 
 DONE = ("completed", "failed", "cancelled", "expired")

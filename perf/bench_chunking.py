@@ -128,9 +128,8 @@ def main() -> None:
     p.add_argument("--out", default="perf/out/chunking.json")
     args = p.parse_args()
 
-    import torch
-
     import pergola
+    import torch
 
     gpu = args.gpu or torch.cuda.is_available()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pergola-chunking-"))

@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import re
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,7 +69,7 @@ async def hold(host: str, port: int, source: str, slow: bool, trickle_s: float, 
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, local_addr=(source, 0)), timeout=10)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             failures.append(type(e).__name__)
             await asyncio.sleep(0.5)
             continue

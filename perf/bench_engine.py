@@ -12,6 +12,7 @@ gives the compute limit.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -19,19 +20,27 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import (  # noqa: E402
-    LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, parse_variants, pergola_embed, profile_step,
-    sync, time_latency, time_throughput)
+    LAT_LENGTHS,
+    TPUT_LENGTHS,
+    HFBaseline,
+    cosine_min,
+    model_folder,
+    parse_variants,
+    pergola_embed,
+    profile_step,
+    sync,
+    time_latency,
+    time_throughput,
+)
 from inputs import TokenWindows  # noqa: E402
-
 from pergola.config.engine import EngineConfig  # noqa: E402
-from pergola.engine import Engine  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.engine import Engine  # noqa: E402
 from pergola.layers.attention import AttentionMetadata, make_backend  # noqa: E402
 
 
@@ -133,7 +142,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
         inputs = [[s] for s in windows.ids(length, 20, seed=length)]
         check = cosine_min(pergola_embed(engine, inputs[0]), hf(inputs[0]))
         lat = res["latency"][length] = {
-            "pergola_eager": time_latency(lambda x: pergola_embed(eager, x), inputs, n),
+            "pergola_eager": time_latency(functools.partial(pergola_embed, eager), inputs, n),
             "hf": time_latency(hf, inputs, max(n // 4, 10)),
             "min_cosine_vs_hf": check,
         }
@@ -150,7 +159,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     for length in TPUT_LENGTHS[name]:
         batch = windows.ids(length, 100, seed=1000 + length)
         check = cosine_min(pergola_embed(engine, batch), hf(batch))
-        p = time_throughput(lambda x: pergola_embed(engine, x), batch)
+        p = time_throughput(functools.partial(pergola_embed, engine), batch)
         h = time_throughput(hf, batch)
         limit = limit_tflops * 1e12 / flops_per_token(spec.hf_config, length, spec.causal)
         row = res["throughput"][length] = {"pergola": p, "hf": h, "min_cosine_vs_hf": check,

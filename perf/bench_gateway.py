@@ -26,22 +26,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import NAME, grpc_client, infer_text, infer_tokens, run_client_processes  # noqa: E402
-from bench_server import run_throughput  # noqa: E402
+from bench_server import (  # noqa: E402
+    NAME,
+    grpc_client,
+    infer_text,
+    infer_tokens,
+    run_client_processes,
+    run_throughput,  # noqa: E402
+)
 from common import drain, model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 from mixed import QUERY  # noqa: E402
-
+from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.gateway.app import spawn  # noqa: E402
 from pergola.gateway.metrics import inputs_by_tokenizer  # noqa: E402
 from pergola.gateway.options import GatewayOptions  # noqa: E402
-from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
 from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
 

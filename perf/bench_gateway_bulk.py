@@ -48,13 +48,13 @@ class Bulk:
     """One bulk request, its JSON built once: `len()` is its inputs (mixed.py counts them);
     `warm` the small request mixed.py warms the connection with (as batch[:2])."""
 
-    def __init__(self, path: str, body: bytes, count: int, warm: "Bulk | None" = None) -> None:
+    def __init__(self, path: str, body: bytes, count: int, warm: Bulk | None = None) -> None:
         self.path, self.body, self.count, self.warm = path, body, count, warm
 
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, _: slice) -> "Bulk":
+    def __getitem__(self, _: slice) -> Bulk:
         return self.warm or self
 
 
@@ -206,11 +206,10 @@ def main() -> None:
 
     sys.path.insert(0, PERF)
     import mixed
+    import pergola
     from bench_gateway import _first_answer, tokenizes_texts, triton_servers
     from common import model_folder, write_result
     from inputs import TokenWindows
-
-    import pergola
     from pergola.config.hf_folder import load_model_spec
     from pergola.triton.server import free_port
 

@@ -141,7 +141,7 @@ async def clients(url: str, body: bytes, count: int, seconds: float, backoff: fl
                 t0 = time.monotonic()
                 try:
                     status, tokens, retry = await one_call(session, url, body)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientError) as e:
                     status, tokens, retry = -1, 0, None
                     print(f"client error: {e!r}", file=sys.stderr)
                 records.append({"start": t0, "end": time.monotonic(), "status": status, "tokens": tokens,
@@ -196,7 +196,7 @@ async def leave_after(url: str, body: bytes, after_s: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=after_s)) as session:
         try:
             await one_call(session, url, body)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

@@ -28,13 +28,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mixed  # noqa: E402
 from bench_gateway import Gateway, pergola_stack  # noqa: E402
-from mixed import LOADS, QUERY  # noqa: E402
 from bench_server import grpc_client, infer_text, infer_tokens  # noqa: E402
 from common import model_folder, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
-
+from mixed import LOADS, QUERY  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.server import ServerOptions  # noqa: E402
+
 
 # --- senders (module level: the bulk processes are spawned) -----------------------------------
 def grpc_ids_sender(url: str):

@@ -31,7 +31,6 @@ from bench_gateway import _first_answer, _gateway_worker, spawn_gateway, triton_
 from bench_server import NAME, _throughput_worker, run_client_processes  # noqa: E402
 from common import model_folder, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
-
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.server import ServerOptions, free_port  # noqa: E402
 

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import re
 import shutil
 import subprocess
@@ -46,11 +45,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    EMBED_MODELS, LAT_LENGTHS, LONG_LAT, LONG_TPUT, TPUT_LENGTHS, HFBaseline, cosine_min, model_folder, percentiles,
-    time_latency, time_throughput, write_result,
+    EMBED_MODELS,
+    LAT_LENGTHS,
+    LONG_LAT,
+    LONG_TPUT,
+    TPUT_LENGTHS,
+    HFBaseline,
+    cosine_min,
+    model_folder,
+    percentiles,
+    time_latency,
+    time_throughput,
+    write_result,
 )
 from inputs import TokenWindows  # noqa: E402
-
 from pergola.config.engine import EngineConfig  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
@@ -187,10 +195,9 @@ class HFReranker:
 
     def __init__(self, folder: Path, device: str) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
-
-        from pergola.config.reranker import answer_ids as _yes_no_ids
         from pergola.config.hf_folder import load_model_spec as spec_of
+        from pergola.config.reranker import answer_ids as _yes_no_ids
+        from transformers import AutoModelForCausalLM
 
         self.torch, self.device = torch, device
         self.no_id, self.yes_id = _yes_no_ids(spec_of(folder, task="rerank"))

@@ -87,12 +87,20 @@ from typing import Any, Self
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, HFBaseline, cosine_min, dry_twin, model_folder, percentiles, time_latency,
-    time_throughput)
 from bench_server import HFReranker, run_client_processes  # noqa: E402
+from common import (  # noqa: E402
+    ARCH_MODELS,
+    LAT_LENGTHS,
+    TPUT_LENGTHS,
+    HFBaseline,
+    cosine_min,
+    dry_twin,
+    model_folder,
+    percentiles,
+    time_latency,
+    time_throughput,
+)
 from inputs import TokenWindows  # noqa: E402
-
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.server import free_port  # noqa: E402
 

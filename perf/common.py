@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import sys
 import threading
-
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch

@@ -40,7 +40,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder  # noqa: E402
-
 from pergola.config.engine import EngineConfig  # noqa: E402
 from pergola.engine import EncodeRequest, Engine  # noqa: E402
 from pergola.outputs.pooling import finish  # noqa: E402

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
 from common import percentiles
 
 # kind -> factory run in the measuring thread, returning the call that sends one query

@@ -15,10 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_folder, parse_variants, pergola_embed, profile_step, sync  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
-
 from pergola.config.engine import EngineConfig  # noqa: E402
-from pergola.engine import Engine  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
+from pergola.engine import Engine  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="qwen3-0.6b")

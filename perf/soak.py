@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 sys.path.insert(0, str(ROOT / "python_models"))
-from pergola_client import PergolaClient  # noqa: E402
 from pergola.triton.supervisor import resident_bytes  # noqa: E402
+from pergola_client import PergolaClient  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:

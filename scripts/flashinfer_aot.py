@@ -24,7 +24,6 @@ from pathlib import Path
 def build(out: Path, modules: list[tuple[str, int]], dtypes: list[str]) -> list[Path]:
     """-> the .so files copied into `out`, one per module and dtype."""
     import torch
-
     from pergola.layers.flashinfer_modules import prefill_spec
 
     built = []

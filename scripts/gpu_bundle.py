@@ -23,8 +23,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bundle_common import (  # noqa: E402 - what the vLLM bundle shares
-    BUNDLE, MB, REPO, Item, add_part_size_option, add_to_tar, build_qwen3_tokenizer, download_wheel, log, norm_name,
-    part_limit, report_parts, sha256_file, split_into_parts,
+    BUNDLE,
+    MB,
+    REPO,
+    Item,
+    add_part_size_option,
+    add_to_tar,
+    build_qwen3_tokenizer,
+    download_wheel,
+    log,
+    norm_name,
+    part_limit,
+    report_parts,
+    sha256_file,
+    split_into_parts,
 )
 
 CACHE = REPO / ".cache" / "gpu_bundle"

@@ -33,8 +33,19 @@ from typing import BinaryIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bundle_common import (  # noqa: E402 - the same downloads and packing into parts as pergola's own bundle
-    BUNDLE, MB, REPO, Item, add_part_size_option, build_qwen3_tokenizer, download_wheel, log, norm_name, part_limit,
-    report_parts, sha256_file, split_into_parts,
+    BUNDLE,
+    MB,
+    REPO,
+    Item,
+    add_part_size_option,
+    build_qwen3_tokenizer,
+    download_wheel,
+    log,
+    norm_name,
+    part_limit,
+    report_parts,
+    sha256_file,
+    split_into_parts,
 )
 
 CACHE = REPO / ".cache" / "vllm_bundle"

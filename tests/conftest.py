@@ -12,13 +12,12 @@ import inspect
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
-
 from pergola.cli import default_model_folder
 
 TEST_DEVICE = os.environ.get("PERGOLA_TEST_DEVICE", "cpu")

@@ -15,14 +15,20 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from pergola.gateway.admission import (MIN_TOKENS, SEED_TOKENS, Admission, CancelOnDisconnect, Load, Rate, lengths,
-                                       watch_client)
+from bench_overload import prose
+from pergola.gateway.admission import (
+    MIN_TOKENS,
+    SEED_TOKENS,
+    Admission,
+    CancelOnDisconnect,
+    Load,
+    Rate,
+    lengths,
+    watch_client,
+)
 from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, pipeline
 from pergola.gateway.errors import GatewayError
-
-from bench_overload import prose
 from test_overload import busy_server  # noqa: E402, F401  (MiniLM as `mini`, one torch thread)
 
 

@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import TEXTS, cosine_rows
 from pergola.config.engine import EngineConfig
+from pergola.config.hf_folder import load_model_spec
 from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.heads import activate
-from pergola.config.hf_folder import load_model_spec
 from pergola.outputs.pooling import finish
 from pergola.text.rerank import RerankTokenizer
 from pergola.text.tokenization import TextTokenizer

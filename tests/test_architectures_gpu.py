@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import TEXTS, cosine_rows
 from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine

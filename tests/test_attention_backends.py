@@ -9,7 +9,6 @@ from dataclasses import fields
 import pytest
 import torch
 import torch.nn.functional as F
-
 from pergola.config.engine import ATTENTION_BACKENDS, EngineConfig
 from pergola.layers import attention
 from pergola.layers.attention import BACKENDS, AttentionBackend, AttentionMetadata, make_backend
@@ -147,8 +146,8 @@ def test_band_attention_matches_each_sequence_alone(causal):
 def test_flash_window_matches_each_sequence_alone(causal):
     """BF16 on the GPU, BandAttention takes FlashAttention-2's windowed varlen kernel: the same
     band as the padded path (ModernBERT's 65 = 128 // 2 + 1; GQA as Gemma3), eager and replayed."""
-    from pergola.layers.cudagraph import capture
     from pergola.layers.attention import TorchFlashAttention
+    from pergola.layers.cudagraph import capture
 
     lengths, window = [300, 1, 64, 65, 66, 500], 65
     q, k, v = ragged_inputs(lengths, 8, 4, 64, "cuda", torch.bfloat16)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pergola.layers import attention_probe as ap
 
 

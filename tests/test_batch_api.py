@@ -12,12 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+from conftest import MIN_COSINE, TEXTS, RunningServer, cosine_rows
 from pergola.gateway import state
 from pergola.gateway.offload import Offload
 from pergola.gateway.options import GatewayOptions
-
-from conftest import MIN_COSINE, TEXTS, RunningServer, cosine_rows
 from test_gateway import KEY, Gateway, call, port_of, start_gateway
 from test_rerank import DOCS, QUERY, cross_encoder_reference
 

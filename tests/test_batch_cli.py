@@ -14,7 +14,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-
 from conftest import MIN_COSINE, RunningServer, cosine_rows
 from test_gateway import KEY, port_of, start_gateway
 

@@ -10,20 +10,18 @@ offsets must cut the answer per text, and a model without the heads must refuse 
 from __future__ import annotations
 
 import time
-
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import MIN_COSINE, SAME, TEST_DEVICE, TEXTS, VALUE_ATOL, cosine_rows
 from pergola.config.engine import EngineConfig
-from pergola.engine import EncodeRequest, Engine
 from pergola.config.hf_folder import load_model_spec
+from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.pooling import finish
-from pergola.text.tokenization import TextTokenizer
 from pergola.outputs.token_outputs import row_width, skipped_token_ids, sparse_outputs, token_outputs
+from pergola.text.tokenization import TextTokenizer
 from test_classify import post  # (base URL, path, JSON body) -> (status, JSON answer)
 
 XLMR_TEXTS = [*TEXTS, "repeated words repeated words repeated", "text with a literal <pad> token inside <pad> it"]

@@ -11,7 +11,6 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from conftest import MAX_TEXT_CHARS, MIN_COSINE, RunningServer, cosine_rows
 from test_gateway import KEY, SAME_ATOL, call, port_of, start_gateway, tokenized_inputs, tokenizer_loaded
 
@@ -145,12 +144,11 @@ def test_late_matches_transformers_hidden_states_over_each_chunks_tokens(modernb
     vocabulary; a CLS model: late pools the mean), beside another request in steps of 1,024
     tokens: each chunk is the mean of transformers' last_hidden_state over its tokens (FP32 on
     the CPU: cosine >= 0.9999; BF16 on a GPU, through its lanes' buffers: >= 0.999)."""
-    from transformers import AutoModel
-
-    from pergola.text.chunking import window_starts
     from pergola.config.engine import EngineConfig
     from pergola.engine import EncodeRequest, Engine
+    from pergola.text.chunking import window_starts
     from pergola.text.tokenization import TextTokenizer
+    from transformers import AutoModel
 
     cfg = EngineConfig(model_dir=str(modernbert), max_batch_tokens=1024,
                        **({} if device == "cpu" else {"device": "cuda:0", "dtype": "bfloat16"}))

@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import VALUE_ATOL
-from pergola.text.classify import ClassifyTokenizer
 from pergola.config.engine import EngineConfig
+from pergola.config.hf_folder import load_model_spec
 from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.heads import activate, activation
-from pergola.config.hf_folder import load_model_spec
+from pergola.text.classify import ClassifyTokenizer
 from pergola_testing import CLASSIFIER_LABELS, make_classifier_folder
 
 TEXTS = ["I loved every minute of it.", "The service was slow and the food was cold.", "北京是中国的首都。",

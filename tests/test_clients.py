@@ -9,7 +9,6 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from conftest import MIN_COSINE, TEXTS, cosine_rows
 from test_rerank import DOCS, QUERY, cross_encoder_reference
 
@@ -86,7 +85,6 @@ def test_openai_sdk_raises_bad_request_for_a_bad_field(url, key):
 
 def test_cohere_v2_embed_every_type(url, key, short_reference):
     import cohere
-
     from pergola.text.encodings import quantize
 
     co = cohere.ClientV2(api_key=key, base_url=url)
@@ -152,8 +150,10 @@ def test_haystack_embedders_and_tei_ranker(url, key, short_reference, rerank_fol
     from haystack import Document
     from haystack.components.embedders import OpenAIDocumentEmbedder, OpenAITextEmbedder
     from haystack.utils import Secret
-    from haystack_integrations.components.embedders.huggingface_api import (HuggingFaceAPIDocumentEmbedder,
-                                                                            HuggingFaceAPITextEmbedder)
+    from haystack_integrations.components.embedders.huggingface_api import (
+        HuggingFaceAPIDocumentEmbedder,
+        HuggingFaceAPITextEmbedder,
+    )
     from haystack_integrations.components.rankers.huggingface_api import HuggingFaceTEIRanker
 
     token = Secret.from_token(key)

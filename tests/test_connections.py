@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from pergola.gateway.connections import default_max_connections
 from pergola.triton.server import free_port
 
@@ -99,7 +98,7 @@ def read_until_closed(s: socket.socket, within_s: float) -> tuple[bytes, float]:
     while True:
         try:
             part = s.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             raise AssertionError(f"still open after {within_s:.1f} s (got {got[:200]!r})") from None
         if not part:
             return got, time.monotonic() - started

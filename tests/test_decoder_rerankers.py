@@ -20,12 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from pergola.config.engine import EngineConfig
-from pergola.engine import EncodeRequest, Engine
-from pergola.outputs.heads import activate
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
 from pergola.config.reranker import answer_ids, reranker_kind
+from pergola.engine import EncodeRequest, Engine
+from pergola.outputs.heads import activate
 from pergola.text.rerank import MXBAI_PREFIX, MXBAI_SEP, MXBAI_SUFFIX, MXBAI_TASK, RerankTokenizer
 from test_rerank import DOCS, QUERY  # documents in several scripts, the last one over the limit
 
@@ -51,10 +50,9 @@ QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^
 def save_tokenizer(out: Path) -> dict[str, int]:
     """A byte-level BPE tokenizer laid out as Qwen2's (NFC, its split pattern, byte-level, Qwen's
     chat tokens, no post-processor tokens), trained on a small corpus; returns its vocabulary."""
+    from pergola_testing import TOKENIZER_CORPUS
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from pergola_testing import TOKENIZER_CORPUS
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -75,10 +73,14 @@ def make_folder(out: Path, kind: str, seed: int, num_labels: int = 1, tied: bool
     """kind: "qwen2-lm" (Qwen2ForCausalLM, mxbai-rerank-v2's layout), "qwen2-cls" / "qwen3-cls"
     (ForSequenceClassification with `num_labels`). logit_score: sentence-transformers CrossEncoder
     files scoring the "1"/"0" logits (modules.json Transformer -> LogitScore)."""
-    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen3Config,
-                              Qwen3ForSequenceClassification)
-
     from pergola_testing import _save_hf_model, perturb_
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+        Qwen3Config,
+        Qwen3ForSequenceClassification,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(out)

@@ -11,11 +11,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from conftest import BF16_ATOL, TEST_DEVICE, TEXTS
 from pergola.text.encodings import OUTPUTS, check_encoding, encoded_outputs, quantize
 from pergola.text.errors import RequestError
+from tritonclient.utils import InferenceServerException
 
 TOL = 1e-5 if TEST_DEVICE == "cpu" else BF16_ATOL  # how far one text's fp32 may move between batches
 SHAPES = {"float32": (np.float32, 384), "float16": (np.float16, 384), "int8": (np.int8, 384),

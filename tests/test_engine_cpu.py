@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import TEXTS, cosine_rows, derived_folder
 from pergola.config.engine import EngineConfig
-from pergola.engine import EncodeRequest, Engine
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
+from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.pooling import finish
 from pergola.text.tokenization import TextTokenizer
 
@@ -85,7 +84,6 @@ def test_dimensions_truncate_then_normalize(engine):
 def test_pooling_ignores_empty_padding_sequences(mode):
     """A graph bucket's trailing empty sequences start at T: pooling must not index past the end."""
     import torch
-
     from pergola.outputs.pooling import pool
 
     hidden = torch.arange(15, dtype=torch.float32).view(5, 3)  # [T=5, H=3]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from conftest import MAX_REQUEST_CHARS, MAX_TEXT_CHARS, MAX_TEXTS, TEXTS
+from tritonclient.utils import InferenceServerException
 
 
 def infer_raw(server, inputs: list[tuple[str, np.ndarray, str]], model: str = "embed"):
@@ -113,7 +112,6 @@ def test_cpu_instances_leave_a_core_to_triton(tmp_path, monkeypatch, cores, expe
     import os
 
     import torch
-
     from pergola.config.engine import EngineConfig
     from pergola.triton.adapter import set_cpu_threads
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import TEXTS, ServeProcess, cosine_rows, start_serve
 
 KEY = "fault-locality-key-0123456789"

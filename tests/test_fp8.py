@@ -16,16 +16,24 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interp import run_in_interpreter
-
 from conftest import BF16_ATOL, TEXTS, cosine_rows, qwen3_folders_or_skip
 from pergola.config import engine as config
 from pergola.config.engine import EngineConfig
 from pergola.layers import fp8
-from pergola.layers.fp8 import (FP8, FP8_MAX, QuantizationUnsupported, check_supported, dequantize, fp8_linear,
-                                quantize_layers, quantize_rows_ref, quantize_weight)
+from pergola.layers.fp8 import (
+    FP8,
+    FP8_MAX,
+    QuantizationUnsupported,
+    check_supported,
+    dequantize,
+    fp8_linear,
+    quantize_layers,
+    quantize_rows_ref,
+    quantize_weight,
+)
 from pergola.layers.fused import silu_and_mul
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear, select_tiles
+from triton_interp import run_in_interpreter
 
 
 def rows_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

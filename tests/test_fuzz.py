@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from conftest import MIN_COSINE, TEXTS, cosine_rows
-
 import fuzz_server
+import numpy as np
+from conftest import MIN_COSINE, TEXTS, cosine_rows
 
 CASES = 400
 

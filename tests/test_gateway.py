@@ -16,9 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from conftest import (MAX_TEXT_CHARS, MIN_COSINE, TEST_DEVICE, TEXTS, RunningServer, cosine_rows,
-                      describe_processes)
+from conftest import MAX_TEXT_CHARS, MIN_COSINE, TEST_DEVICE, TEXTS, RunningServer, cosine_rows, describe_processes
 from test_rerank import DOCS, QUERY, cross_encoder_logits, cross_encoder_reference
 
 KEY = "gateway-test-key-0123456789"
@@ -446,9 +444,8 @@ def test_rerank_usage_counts_the_pairs_tokens(gateway, rerank_folders):
 def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction: str) -> np.ndarray:
     """transformers on the official Qwen3-Reranker prompt with `instruction` (the model card's code)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from pergola.text.rerank import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -870,7 +867,6 @@ def test_pergola_serve_answers_the_openai_client(tmp_path, minilm_folder, refere
     """What `make serve` starts: the gateway on its port, the models found through the admin
     token (the served names, not only `embed`), the key on every route but /health."""
     import openai
-
     from conftest import start_serve
 
     served = start_serve(tmp_path, f"mini={minilm_folder}", "--api-key", KEY)

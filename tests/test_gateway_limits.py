@@ -14,7 +14,6 @@ import urllib.request
 import numpy as np
 import orjson
 import pytest
-
 from conftest import TEXTS
 from test_gateway import KEY, call, ensemble_gateway, port_of, start_gateway  # noqa: F401 (a fixture)
 
@@ -67,9 +66,9 @@ def test_integer_fields_are_numbers_in_range():
 
 
 def test_error_messages_are_cut():
-    from pergola.text.errors import MESSAGE_CHARS
     from pergola.gateway.errors import GatewayError
     from pergola.gateway.http import error_response
+    from pergola.text.errors import MESSAGE_CHARS
 
     response = error_response(GatewayError(404, "model " + "m" * 1_000_000 + " is not served"), "openai")
     assert response.status_code == 404 and len(response.body) < MESSAGE_CHARS + 200

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tritonclient.utils import InferenceServerException
-
 from pergola.gateway import replicas
 from pergola.gateway.backend import chunks
 from pergola.gateway.errors import GatewayError, from_triton
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.mark.parametrize("sizes,max_items,max_size,expected", [
@@ -137,9 +136,8 @@ nv_y 2.5
 
 def test_inputs_by_tokenizer_reads_the_exposition_prometheus_writes():
     """What benchmarks and tests read from /metrics: the counter summed over tasks, by tokenizer."""
-    from prometheus_client import CollectorRegistry, Counter, generate_latest
-
     from pergola.gateway.metrics import INPUTS, inputs_by_tokenizer
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
 
     registry = CollectorRegistry()
     inputs = Counter(INPUTS._name, INPUTS._documentation, INPUTS._labelnames, registry=registry)
@@ -175,8 +173,8 @@ def test_short_requests_tokenize_on_the_loop_and_longer_ones_on_a_thread():
 
 
 def test_a_refusal_on_a_tokenizing_thread_reaches_the_request():
-    from pergola.text.errors import RequestError
     from pergola.gateway.tokenizers import INLINE_CHARS, LocalTokenizers
+    from pergola.text.errors import RequestError
 
     tokenizers = LocalTokenizers(None, 0, threads=1)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import BF16_ATOL, TEXTS, cosine_rows, qwen3_folders_or_skip
 from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
@@ -238,7 +237,6 @@ def test_fused_kernels_match_references():
 @pytest.mark.parametrize("m", [1, 77, 128, 300, 2048])
 def test_triton_linear_matches_cublas(m):
     import torch.nn.functional as F
-
     from pergola.layers import fused, linear
 
     torch.manual_seed(m)

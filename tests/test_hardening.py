@@ -16,12 +16,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import fuzz_server
 import numpy as np
 import pytest
-
 from conftest import TEXTS, ServeProcess, cosine_rows, describe_processes, running, start_serve
-
-import fuzz_server
 
 EVIL_MODEL = """
 import pathlib
@@ -101,7 +99,6 @@ def test_anonymous_model_upload_runs_no_code(served, tmp_path):
 
 def test_admin_grpc_apis_refuse_calls_without_the_token(served, tmp_path):
     import tritonclient.grpc as grpcclient
-
     from pergola.triton.admin import GRPC_ADMIN_HEADER
     from tritonclient.utils import InferenceServerException
 

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from pergola import cli
 from pergola.config.hub import ALLOW_PATTERNS, HubError, download, parse_model_id, resolve
 

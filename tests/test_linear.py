@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interp import run_in_interpreter
-
 from pergola.layers.linear import Tile, dump_tiles, load_tiles, pick_tile, table_key, tile_rows, tiles_for
+from triton_interp import run_in_interpreter
 
 
 def test_pick_tile_walks_rows_in_increasing_m():

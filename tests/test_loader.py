@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
-from pergola.models.loader import build_model
 from pergola.config.reranker import answer_ids
+from pergola.models.loader import build_model
+from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")
 

@@ -10,14 +10,13 @@ import json
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_hub import MAIN, REPO_ID, add_snapshot
 
 pytestmark = pytest.mark.server

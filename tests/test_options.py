@@ -8,11 +8,10 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-
 from pergola.cli import SERVE_SETS, BuildOptions, options_markdown
 from pergola.config.engine import EngineConfig, TritonModelOptions
-from pergola.gateway.options import GatewayOptions
 from pergola.config.options import declared, env_name, flag_name, value_type
+from pergola.gateway.options import GatewayOptions
 from pergola.triton.server import ServerOptions
 
 OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"

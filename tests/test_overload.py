@@ -10,11 +10,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from tritonclient.utils import InferenceServerException
-
-from conftest import TEXTS, cosine_rows
-
 from bench_overload import flood, prose
+from conftest import TEXTS, cosine_rows
+from tritonclient.utils import InferenceServerException
 
 MAX_QUEUE_SECONDS = 2.0
 
@@ -60,7 +58,6 @@ def test_a_request_whose_client_has_gone_is_not_computed_further(busy_server, re
     finish in time. Either way most of it is never computed, and a small request right behind
     it is answered at once."""
     import tritonclient.grpc as grpcclient
-
     from pergola_client import PergolaClient
 
     grpc, http = f"127.0.0.1:{busy_server.grpc_port}", f"127.0.0.1:{busy_server.http_port}"

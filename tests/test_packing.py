@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from pergola.engine.graphs import GraphCache, seq_buckets, token_buckets
 from pergola.engine.runner import StaticBuffers, host_inputs
 from pergola.layers.attention import AttentionMetadata

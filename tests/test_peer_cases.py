@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import MIN_COSINE, cosine_rows
 from test_gateway import call
 

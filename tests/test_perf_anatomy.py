@@ -3,7 +3,6 @@ steps are cut at each step's device-to-host copy."""
 
 from __future__ import annotations
 
-
 from anatomy import kind_of, step_gaps_us, union_us
 
 

@@ -5,14 +5,11 @@ command lines take them, with Qwen3's lengths on the GPU and the twins in a dry 
 
 from __future__ import annotations
 
-
-import pytest
-
 import bench_server
 import bench_vllm
-from common import ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, arch_model, dry_twin, model_folder
-
 import pergola_testing as testing
+import pytest
+from common import ARCH_MODELS, LAT_LENGTHS, TPUT_LENGTHS, arch_model, dry_twin, model_folder
 from pergola.config.hf_folder import load_model_spec, max_positions
 
 KINDS = {"bge-m3": ("bert", ("sparse", "colbert")), "gte-modernbert": ("modernbert", ())}

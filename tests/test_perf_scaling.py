@@ -3,9 +3,7 @@ per length, only where N = 1 measured that length."""
 
 from __future__ import annotations
 
-
 import pytest
-
 from bench_scaling import efficiency
 
 

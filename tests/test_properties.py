@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from conftest import MAX_TEXTS, MIN_COSINE, TEST_DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import MAX_TEXTS, MIN_COSINE, TEST_DEVICE
 
 VOCAB = 30522
 MAX_LEN = 256  # all-MiniLM-L6-v2's limit

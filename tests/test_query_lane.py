@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import cosine_rows
 from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine

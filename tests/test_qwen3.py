@@ -12,14 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import TEXTS, cosine_rows, qwen3_folders_or_skip
 from pergola.config.engine import EngineConfig
-from pergola.engine import EncodeRequest, Engine
 from pergola.config.hf_folder import load_model_spec
+from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.pooling import finish
-from pergola_testing import EOS_ID, QUERY_PROMPT
 from pergola.text.tokenization import TextTokenizer
+from pergola_testing import EOS_ID, QUERY_PROMPT
 
 
 @pytest.fixture(scope="module")

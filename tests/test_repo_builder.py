@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
-
 from pergola.triton.repo_builder import build_repository, entry_from_folder
+from tritonclient.grpc import model_config_pb2
 
 
 def encoder_groups(repo: Path, name: str) -> list[model_config_pb2.ModelInstanceGroup]:

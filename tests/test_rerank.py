@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from conftest import MAX_TEXTS, TEST_DEVICE
 from pergola.config.engine import EngineConfig
 from pergola.engine import EncodeRequest, Engine
 from pergola.outputs.heads import activate
 from pergola.text.rerank import RerankTokenizer
+from tritonclient.utils import InferenceServerException
 
 QUERY = "what is the capital of France?"
 DOCS = [

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from pergola.text.errors import RequestError
 from pergola.config.hf_folder import ModelFolderError, load_model_spec
 from pergola.config.reranker import answer_ids, reranker_kind
+from pergola.text.errors import RequestError
 from pergola.text.rerank import RerankOptions, rank
 from pergola.triton.adapter import EmbedOptions, embed_options, rerank_options
 

@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import TEXTS
 from pergola.config.engine import EngineConfig
-from pergola.text.errors import RequestError
 from pergola.config.hf_folder import load_model_spec
+from pergola.text.errors import RequestError
 from pergola.text.rerank import (
     QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_PREFIX,

@@ -5,8 +5,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pytest
-
 from conftest import BF16_ATOL, MIN_COSINE, TEST_DEVICE, TEXTS, cosine_rows
 
 # FP32 on the CPU must agree to 1e-4 cosine; a BF16 GPU instance to 1e-3.
@@ -99,9 +97,8 @@ def test_pretokenized_encoder_reads_known_values(server, st_model, reference):
 
 def test_server_metrics_endpoint(server, client):
     import re
-    import urllib.request
-
     import time
+    import urllib.request
 
     client.embed(TEXTS[:3])
     deadline = time.monotonic() + 5  # (pergola's counters reach Triton within a second or two)

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
-
 from conftest import TEXTS
 from pergola.config.engine import EngineConfig
 from pergola.config.hf_folder import load_model_spec
 from pergola.text.rerank import RerankTokenizer
 from pergola.text.tokenization import TextTokenizer, truncate_mode
+from tokenizers import Tokenizer
 
 LONG = {
     "english": "The quick brown fox jumps over the lazy dog, again and again. " * 20_000,

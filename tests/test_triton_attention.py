@@ -12,9 +12,8 @@ import sys
 
 import pytest
 import torch
-from triton_interp import run_in_interpreter
-
 from pergola.layers.attention_probe import candidates
+from triton_interp import run_in_interpreter
 
 KERNEL_CHECK = r"""
 import torch

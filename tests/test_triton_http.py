@@ -10,10 +10,9 @@ import json
 
 import numpy as np
 import pytest
-from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor
-
 from pergola.gateway.errors import from_triton
 from pergola.gateway.triton_http import Tensor, TritonHTTP
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor
 
 
 class FakeTriton:

@@ -15,7 +15,8 @@ import base64
 import json
 import urllib.error
 import urllib.request
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -195,7 +196,7 @@ class PergolaClient:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> "PergolaClient":
+    def __enter__(self) -> PergolaClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -286,14 +287,14 @@ class GatewayClient:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "GatewayClient":
+    def __enter__(self) -> GatewayClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def connect(url: str | None = None, protocol: str | None = None, **kwargs: Any) -> "PergolaClient | GatewayClient":
+def connect(url: str | None = None, protocol: str | None = None, **kwargs: Any) -> PergolaClient | GatewayClient:
     """A client for `url`: the gateway when it has a scheme (http://host:8080) or protocol is
     "gateway", else Triton over `protocol` (grpc by default, or http)."""
     if protocol == "gateway" or (url or "").startswith(("http://", "https://")):

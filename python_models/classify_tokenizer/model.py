@@ -4,10 +4,15 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
 from pergola.text.classify import ClassifyTokenizer
-from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, classify_options, inference_error, read_truncation,
-                               required_strings)
+from pergola.triton.adapter import (
+    RequestInputs,
+    TokenizerAdapter,
+    classify_options,
+    inference_error,
+    read_truncation,
+    required_strings,
+)
 
 
 class TritonPythonModel(TokenizerAdapter):

@@ -20,22 +20,34 @@ from functools import partial
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-from pergola.triton.adapter_timing import AdapterTiming
 from pergola.config.engine import EngineConfig
-from pergola.text.encodings import EMBEDDING_TENSORS, encoded_outputs
-from pergola.text.classify import ClassifyOptions
-from pergola.outputs.heads import activate, activation, label_names
 from pergola.engine import EncodeRequest, Engine
 from pergola.engine.loop import Cancelled, EncodeLoop, Job, Overloaded, Unloading
-from pergola.triton.metrics import EncoderMetrics, info_labels
+from pergola.outputs.heads import activate, activation, label_names
 from pergola.outputs.pooling import finish
-from pergola.text.rerank import RerankOptions, rank
-from pergola.text.errors import RequestError
 from pergola.outputs.token_outputs import DEFAULT_OUTPUTS, TOKEN_TENSORS, row_width, skipped_token_ids, token_outputs
-from pergola.triton.adapter import (EmbedOptions, RequestInputs, admitted, classify_options, embed_options,
-                               end_with_server, inference_error, exit_soon, instance_device, is_fatal_device_error,
-                               optional_array, required_array, rerank_options, set_cpu_threads)
+from pergola.text.classify import ClassifyOptions
+from pergola.text.encodings import EMBEDDING_TENSORS, encoded_outputs
+from pergola.text.errors import RequestError
+from pergola.text.rerank import RerankOptions, rank
+from pergola.triton.adapter import (
+    EmbedOptions,
+    RequestInputs,
+    admitted,
+    classify_options,
+    embed_options,
+    end_with_server,
+    exit_soon,
+    inference_error,
+    instance_device,
+    is_fatal_device_error,
+    optional_array,
+    required_array,
+    rerank_options,
+    set_cpu_threads,
+)
+from pergola.triton.adapter_timing import AdapterTiming
+from pergola.triton.metrics import EncoderMetrics, info_labels
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

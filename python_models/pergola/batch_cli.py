@@ -28,9 +28,10 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import numpy as np
 import orjson
@@ -230,7 +231,7 @@ class Client:
                     wait = _retry_after(r.headers.get("Retry-After"))
                     if attempt >= self.retries:
                         return r.status, data
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientConnectionError):
                 if attempt >= self.retries:
                     raise
             self.retried += 1

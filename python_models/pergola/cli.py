@@ -11,19 +11,19 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
-from dataclasses import dataclass
+from pergola_client import ENCODINGS
 
 from pergola import batch_cli
-from pergola.triton.admin import ADMIN_HEADER
 from pergola.config.engine import EngineConfig, TritonModelOptions
-from pergola.gateway.options import GatewayOptions
-from pergola.config.settings import Settings, settings
 from pergola.config.options import add_arguments, markdown_table, option, values_from
-from pergola.triton.server import ServerOptions
-from pergola_client import ENCODINGS
+from pergola.config.settings import Settings, settings
+from pergola.gateway.options import GatewayOptions
 from pergola.text.tokenization import TRUNCATE_MODES
+from pergola.triton.admin import ADMIN_HEADER
+from pergola.triton.server import ServerOptions
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 # Gateway options `pergola serve` sets itself: its own Triton server, admin token file, HTTP and metrics ports.
@@ -147,9 +147,9 @@ def build_repo(args: argparse.Namespace, lock: object | None = None) -> Path:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from pergola.triton.admin import AdminError, default_token_file, read_token, write_token
     from pergola.gateway.app import watch
     from pergola.gateway.connections import preflight
+    from pergola.triton.admin import AdminError, default_token_file, read_token, write_token
     from pergola.triton.server import RepoLock, ServerError, exec_foreground, is_loopback, serve_supervised
 
     bind = triton_address(args)
@@ -210,7 +210,7 @@ def triton_address(args: argparse.Namespace) -> str:
     return address
 
 
-def start_gateway(args: argparse.Namespace, server: "ServerOptions", token_file: Path):
+def start_gateway(args: argparse.Namespace, server: ServerOptions, token_file: Path):
     """The gateway beside tritonserver (its gRPC port, its admin token), unless --gateway-port 0."""
     from pergola.gateway.app import spawn
 

@@ -4,11 +4,18 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
 from pergola.text.errors import RequestError
 from pergola.text.rerank import RerankTokenizer
-from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, inference_error, optional_count, optional_single,
-                               read_truncation, required_strings, rerank_options)
+from pergola.triton.adapter import (
+    RequestInputs,
+    TokenizerAdapter,
+    inference_error,
+    optional_count,
+    optional_single,
+    read_truncation,
+    required_strings,
+    rerank_options,
+)
 
 
 class TritonPythonModel(TokenizerAdapter):

@@ -5,10 +5,17 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
 from pergola.text.tokenization import TextTokenizer
-from pergola.triton.adapter import (RequestInputs, TokenizerAdapter, embed_options, inference_error, optional_count,
-                               optional_scalar, read_truncation, required_strings)
+from pergola.triton.adapter import (
+    RequestInputs,
+    TokenizerAdapter,
+    embed_options,
+    inference_error,
+    optional_count,
+    optional_scalar,
+    read_truncation,
+    required_strings,
+)
 
 
 class TritonPythonModel(TokenizerAdapter):

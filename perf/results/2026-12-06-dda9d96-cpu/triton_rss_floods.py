@@ -1,6 +1,16 @@
 """tritonserver RSS after each flood through the gateway; env variant from argv."""
-import json, os, sys, time, threading, subprocess, urllib.request, urllib.error, tempfile, signal
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 from pergola.cli import default_model_folder
 from pergola.server import free_port, wait_ready

@@ -7,10 +7,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pergola.text.chunking import ChunkLimits
-from pergola.text.errors import StringLimits
 from pergola.config.hf_folder import RERANK_PROMPTS, ModelSpec, load_model_spec
 from pergola.config.options import convert, option
+from pergola.text.chunking import ChunkLimits
+from pergola.text.errors import StringLimits
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The names of pergola.layers.attention.BACKENDS, spelled out because this module must import
@@ -193,7 +193,7 @@ class EngineConfig:
         return StringLimits(1, self.max_query_chars, self.max_request_chars, "one query")
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str], **overrides: Any) -> "EngineConfig":
+    def from_parameters(cls, params: dict[str, str], **overrides: Any) -> EngineConfig:
         """Build from string parameters (config.pbtxt), converting each to its field's type."""
         kwargs: dict[str, Any] = {f.name: convert(f, params[f.name], f"parameter {f.name}")
                                   for f in fields(cls) if f.name in params}
@@ -201,7 +201,7 @@ class EngineConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_triton_args(cls, args: dict[str, str], **overrides: Any) -> "EngineConfig":
+    def from_triton_args(cls, args: dict[str, str], **overrides: Any) -> EngineConfig:
         """From the `args` Triton passes to `initialize`: parameters plus the version folder's hf/."""
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}

@@ -101,8 +101,14 @@ def cached_commit(repo_id: str, revision: str | None) -> Path | None:
 def snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The snapshot folder of `repo_id` at `revision` (default: main), downloaded if not cached."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     spec = f"{repo_id}@{revision}" if revision else repo_id
     if (pinned := cached_commit(repo_id, revision)) is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
 from dataclasses import MISSING, Field, field, fields
-from typing import Any, Iterable
+from typing import Any
 
 ENV_PREFIX = "PERGOLA_"
 BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,

@@ -7,17 +7,17 @@ server feeds the same steps from a background loop that takes requests as they a
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping
 
 import numpy as np
 import torch
 
-from pergola.text.chunking import SpanPlan
 from pergola.config.engine import EngineConfig
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.runner import ModelRunner
 from pergola.engine.scheduler import Step, WorkQueue
+from pergola.text.chunking import SpanPlan
 from pergola.text.errors import RequestError
 
 

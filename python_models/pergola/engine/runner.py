@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
 
 import numpy as np
 import torch
 
 from pergola.config.engine import DTYPES, EngineConfig
+from pergola.config.hf_folder import ModelSpec
 from pergola.engine.graphs import GraphCache
 from pergola.engine.lazy import LazyTensor
-from pergola.outputs.heads import HEAD_TASKS
-from pergola.config.hf_folder import ModelSpec
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for
 from pergola.models.loader import build_model
+from pergola.outputs.heads import HEAD_TASKS
 from pergola.outputs.pooling import TokenHeads, pool
 
 log = logging.getLogger("pergola.runner")

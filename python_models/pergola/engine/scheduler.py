@@ -22,8 +22,8 @@ least work first holds among requests of similar age.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator
 
 AGING = 4  # a request passed over by a step counts max_batch_tokens / AGING tokens less of work
 

@@ -50,15 +50,16 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from pergola.text.chunking import window_count
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
+from pergola.text.chunking import window_count
 
 WINDOW_S = 10.0  # busy seconds of answered bulk calls the throughput is measured over
 MIN_TOKENS = 4_096  # bulk tokens answered before the measured throughput is trusted

@@ -19,22 +19,33 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pergola.gateway import (classify_api, cohere_api, connections, metrics, openai_api, rerank_api, tei_api,
-                             tracing, triton_metrics, vllm_api)
+from pergola.config.options import from_environment, to_environment
 from pergola.config.settings import external
+from pergola.gateway import (
+    classify_api,
+    cohere_api,
+    connections,
+    metrics,
+    openai_api,
+    rerank_api,
+    tei_api,
+    tracing,
+    triton_metrics,
+    vllm_api,
+)
 from pergola.gateway.admission import CancelOnDisconnect
 from pergola.gateway.batch import BatchAPI
 from pergola.gateway.http import Body, Keys, dispatch, endpoint
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.state import Gateway, api_keys, replica_targets
-from pergola.config.options import from_environment, to_environment
 
 GatewayHandler = Callable[[Gateway, Request], Awaitable[Any]]
 

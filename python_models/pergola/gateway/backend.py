@@ -20,18 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import np_to_triton_dtype
 
-from pergola.triton.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
-from pergola.text.classify import ClassifyTokenizer
-from pergola.text.encodings import check_encoding, quantize
-from pergola.text.errors import RequestError
 from pergola.gateway.admission import Admission, Ticket, lengths, refused_later, watch_client
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError, refused
@@ -41,10 +38,14 @@ from pergola.gateway.replicas import Replica, ReplicaPool
 from pergola.gateway.tokenizers import LocalTokenizers
 from pergola.gateway.tracing import triton_call
 from pergola.gateway.triton_http import Tensor
-from pergola.text.rerank import RerankTokenizer
 from pergola.outputs.token_outputs import TOKEN_OUTPUT_TYPES
+from pergola.text.classify import ClassifyTokenizer
+from pergola.text.encodings import check_encoding, quantize
+from pergola.text.errors import RequestError
+from pergola.text.rerank import RerankTokenizer
 from pergola.text.tokenization import Chunks, Encoded, TextTokenizer, check_windows
 from pergola.triton.adapter import ADMITTED
+from pergola.triton.admin import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 # A call of more tokens than this goes over gRPC, cancellable (module docstring): about one forward
 # step on a CPU (1,024 tokens, ~0.3 s), under a millisecond on a GPU: what is lost if it runs anyway.

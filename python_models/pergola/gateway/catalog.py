@@ -17,13 +17,13 @@ from typing import Any
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from pergola.triton.admin import GRPC_ADMIN_HEADER
-from pergola.text.chunking import ChunkLimits
 from pergola.config.engine import EngineConfig
-from pergola.text.errors import StringLimits
+from pergola.config.options import convert
 from pergola.gateway.replicas import CONTROL_TIMEOUT_S
 from pergola.outputs.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER
-from pergola.config.options import convert
+from pergola.text.chunking import ChunkLimits
+from pergola.text.errors import StringLimits
+from pergola.triton.admin import GRPC_ADMIN_HEADER
 
 log = logging.getLogger("pergola.gateway")
 ALIASES = ("embed", "rerank", "classify")

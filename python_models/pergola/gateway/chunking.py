@@ -21,18 +21,19 @@ the texts are tokenized, before anything is encoded.
 from __future__ import annotations
 
 import base64
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from starlette.responses import Response
 
-from pergola.text.errors import quote, read_strings
 from pergola.gateway.backend import ChunkedEmbedded, Chunking, EmbedRequest
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import INT32_MAX, TokenIds, as_is
 from pergola.gateway.state import Gateway
+from pergola.text.errors import quote, read_strings
 
 POOLINGS = ("each", "mean", "late")
 FIELDS = ("tokens", "overlap", "pooling")

@@ -27,8 +27,6 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.text.encodings import INT8_SCALE, quantize
-from pergola.text.errors import quote, read_strings
 from pergola.gateway.backend import EmbedRequest, TooLong
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import bad_request
@@ -36,6 +34,8 @@ from pergola.gateway.http import Body, answer
 from pergola.gateway.openai_api import too_long, truncate_option
 from pergola.gateway.state import Gateway
 from pergola.gateway.vllm_api import check_max_tokens
+from pergola.text.encodings import INT8_SCALE, quantize
+from pergola.text.errors import quote, read_strings
 
 INPUT_TYPES = {"search_query": "query", "search_document": "document", "classification": None, "clustering": None}
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")

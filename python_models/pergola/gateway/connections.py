@@ -34,8 +34,9 @@ import errno
 import logging
 import resource
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -76,7 +77,7 @@ class ConnectionLimits:
     max_connections: int
 
     @classmethod
-    def of(cls, opts: GatewayOptions, open_files: int) -> "ConnectionLimits":
+    def of(cls, opts: GatewayOptions, open_files: int) -> ConnectionLimits:
         """The options' limits (0 connections: default_max_connections); ValueError names a bad one."""
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             if not getattr(opts, name) > 0:
@@ -109,7 +110,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionLimits]  # set by configure() in each process
     # Connections with no request in flight, the longest waiting first (dicts keep insertion order).
-    idle: ClassVar[dict["GuardedProtocol", None]] = {}
+    idle: ClassVar[dict[GuardedProtocol, None]] = {}
     lingering: ClassVar[int] = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pergola.text.errors import MESSAGE_CHARS, RequestError, bounded, quote
 from pergola.gateway.errors import GatewayError, bad_request, refused
 from pergola.gateway.offload import INT32_MAX, PARSE_BYTES, RENDER_VALUES, Offload, TokenIds, parse_body, render
+from pergola.text.errors import MESSAGE_CHARS, RequestError, bounded, quote
 
 log = logging.getLogger("pergola.gateway")
 CLIENT_GONE = 499  # nginx's status for a request whose client left first: counted, never sent

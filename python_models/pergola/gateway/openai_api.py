@@ -16,20 +16,21 @@ int8). base64 carries the little-endian bytes of each row in that type.
 from __future__ import annotations
 
 import base64
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.text.errors import RequestError, quote, read_strings
-from pergola.gateway.backend import EmbedRequest, Embedded, TooLong
+from pergola.gateway.backend import Embedded, EmbedRequest, TooLong
 from pergola.gateway.chunking import chunking_option, openai_chunked
 from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
 from pergola.gateway.vllm_api import Pooling, sys_order
+from pergola.text.errors import RequestError, quote, read_strings
 from pergola.text.tokenization import truncate_mode
 
 _SAME = lambda codes: codes  # noqa: E731

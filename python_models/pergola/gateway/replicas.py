@@ -21,8 +21,9 @@ import itertools
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.text.errors import StringLimits, read_strings
 from pergola.gateway.backend import Reranked, RerankRequest, TooLong
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import Body
 from pergola.gateway.openai_api import too_long, truncate_option
 from pergola.gateway.state import Gateway
 from pergola.gateway.vllm_api import rerank_fields
+from pergola.text.errors import StringLimits, read_strings
 
 
 def best_first(scores: np.ndarray, top_n: int | None) -> list[int]:

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from pergola.triton.admin import read_token
-from pergola.text.errors import quote
 from pergola.gateway.admission import Admission
 from pergola.gateway.backend import Backend
 from pergola.gateway.catalog import ServedModel, discover
@@ -21,6 +19,8 @@ from pergola.gateway.offload import Offload
 from pergola.gateway.options import GatewayOptions
 from pergola.gateway.replicas import ReplicaPool, http_ports, split_target
 from pergola.gateway.tokenizers import LocalTokenizers
+from pergola.text.errors import quote
+from pergola.triton.admin import read_token
 from pergola.triton.supervisor import RECOVERING_FILE, read_recovering
 
 log = logging.getLogger("pergola.gateway")

@@ -37,14 +37,15 @@ holds. Token counts come back in the `x-total-tokens` header.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.text.errors import RequestError, quote, read_strings
+from pergola.config.hf_folder import ModelFolderError
 from pergola.gateway import connections, rerank_api, tokenizers, vllm_api
 from pergola.gateway.backend import ClassifyRequest, EmbedRequest, PerToken, TooLong
 from pergola.gateway.catalog import ServedModel
@@ -53,8 +54,8 @@ from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, JSONResponse, Keys, answer, error_response
 from pergola.gateway.offload import as_is
 from pergola.gateway.state import Gateway
-from pergola.config.hf_folder import ModelFolderError
 from pergola.outputs.token_outputs import check_outputs
+from pergola.text.errors import RequestError, quote, read_strings
 
 log = logging.getLogger("pergola.gateway")
 VERSION = "pergola-gateway"

@@ -31,16 +31,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pergola.text.classify import ClassifyTokenizer
 from pergola.config.engine import EngineConfig
-from pergola.gateway.catalog import ServedModel
 from pergola.config.hf_folder import load_model_spec
+from pergola.gateway.catalog import ServedModel
+from pergola.text.classify import ClassifyTokenizer
 from pergola.text.rerank import RerankTokenizer
 from pergola.text.tokenization import TextTokenizer
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from pergola.config.settings import external
 from pergola.gateway.metrics import StatusSend

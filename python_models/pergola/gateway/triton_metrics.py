@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.request
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import Response

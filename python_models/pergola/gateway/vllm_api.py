@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from pergola.text.errors import quote, read_strings
 from pergola.gateway import tokenizers
 from pergola.gateway.backend import EmbedRequest, RerankRequest
 from pergola.gateway.catalog import ServedModel
@@ -41,6 +40,7 @@ from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
+from pergola.text.errors import quote, read_strings
 
 EMBED_DTYPES = ("float32", "float16", "bfloat16")  # vLLM's fp8_e4m3 / fp8_e5m2: refused
 ENDIANNESS = {"native": "=", "little": "<", "big": ">"}
@@ -119,7 +119,7 @@ class Pooling:
     byteorder: str = "="  # endianness
 
     @classmethod
-    def of(cls, body: Body, model: ServedModel) -> "Pooling":
+    def of(cls, body: Body, model: ServedModel) -> Pooling:
         if body.data.keys().isdisjoint(POOLING_FIELDS):  # (most requests: 0.3 us, not the 30 us of reading each)
             return NO_POOLING
         refuse_unsupported(body)

@@ -11,8 +11,9 @@ takes its candidates from it.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ class AttentionMetadata:
         return self.cu_seqlens.numel() - 1
 
     @classmethod
-    def build(cls, lengths: list[int], device: torch.device, causal: bool, padded: bool) -> "AttentionMetadata":
+    def build(cls, lengths: list[int], device: torch.device, causal: bool, padded: bool) -> AttentionMetadata:
         lens = torch.tensor(lengths, dtype=torch.int32)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu[1:])

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pergola.config.engine import CUDA_GRAPH_MAX_TOKENS
-from pergola.layers.cudagraph import capture
 from pergola.layers.attention import BACKENDS, AttentionBackend, AttentionMetadata, make_backend
+from pergola.layers.cudagraph import capture
 from pergola.layers.fused import split_qkv
 
 log = logging.getLogger("pergola.attention")

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergola.outputs.heads import HEAD_TASKS
 from pergola.config.hf_folder import head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
 from pergola.models.loader import Model
+from pergola.outputs.heads import HEAD_TASKS
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),

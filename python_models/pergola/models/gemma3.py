@@ -93,7 +93,7 @@ class Gemma3Attention(nn.Module):
         self.window = sliding_window(cfg, causal) if layer_type == SLIDING else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
-                attn: AttentionBackend, band: "BandAttention") -> torch.Tensor:
+                attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(self.q_norm(q), self.k_norm(k), rope, positions)

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, ModelSpec
+from pergola.config.reranker import answer_ids, yes_no_head
 from pergola.layers.fp8 import check_supported, quantize_layers
 from pergola.layers.linear import TileTable, default_weight_loader, select_tiles
-from pergola.outputs.pooling import attach_dense
-from pergola.config.reranker import answer_ids, yes_no_head
 from pergola.models import ARCHITECTURES, model_class
+from pergola.outputs.pooling import attach_dense
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergola.outputs.heads import HEAD_TASKS
 from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear
-from pergola.models.loader import Model
 from pergola.models.bert import ACTIVATIONS
+from pergola.models.loader import Model
 from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import RotaryEmbedding, apply_rope
+from pergola.outputs.heads import HEAD_TASKS
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -26,8 +26,8 @@ from torch import nn
 from pergola.config.hf_folder import head_dim, max_positions
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.linear import Linear, MergedLinear
-from pergola.models.loader import Model
 from pergola.models.bert import BertLayer, roberta_positions
+from pergola.models.loader import Model
 from pergola.models.padded import PaddedLayout
 
 PADDING_IDX = 1  # fixed in HF's MPNetEmbeddings, whatever the config's pad_token_id

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergola.outputs.heads import HEAD_TASKS
 from pergola.config.hf_folder import ModelFolderError, head_dim, sequence_classification
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import PendingNorm, qk_norm_rope, rms_norm, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
 from pergola.models.loader import Model
+from pergola.outputs.heads import HEAD_TASKS
 from pergola.text.rerank import AnswerIds
 
 
@@ -62,7 +62,7 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(freqs.sin())
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: "RotaryEmbedding",
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding,
                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [T, Hq, D] and k [T, Hkv, D] as separate kernels (Qwen2: no q/k norm to fuse it
     with; Gemma3: after its own norms), as new tensors. HF's arithmetic: the fp32 tables cast to
@@ -101,7 +101,7 @@ class Qwen3Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden], already normalised, or the raw residual stream when `pending`
         residual: torch.Tensor,  # [T, hidden] residual stream; the o projection is added to it in place
         positions: torch.Tensor,  # [T]
-        rope: "RotaryEmbedding",
+        rope: RotaryEmbedding,
         meta: AttentionMetadata,
         attn: AttentionBackend,
         pending: PendingNorm | None = None,  # the input norm, folded into qkv_proj's weight
@@ -153,7 +153,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.folded = True
 
     def forward(
-        self, residual: torch.Tensor, positions: torch.Tensor, rope: "RotaryEmbedding", meta: AttentionMetadata,
+        self, residual: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Residual stream [T, hidden] -> the same tensor, updated in place by this layer.

@@ -20,8 +20,8 @@ import json
 
 import numpy as np
 
-from pergola.text.errors import RequestError
 from pergola.config.hf_folder import ModelSpec
+from pergola.text.errors import RequestError
 
 DEFAULT_OUTPUTS = ("dense",)
 # bge-m3's ragged output tensors, by name: (Triton data type, dims), in the order the embed ensemble

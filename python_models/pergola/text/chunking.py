@@ -105,7 +105,7 @@ class SpanPlan:
         return int(self.counts.size)
 
     @classmethod
-    def build(cls, spans: np.ndarray, lengths: np.ndarray) -> "SpanPlan":
+    def build(cls, spans: np.ndarray, lengths: np.ndarray) -> SpanPlan:
         """From CHUNK_SPANS ([3m] or [m, 3] int64) over sequences of `lengths`; RequestError
         unless every row holds at least one token of one sequence and chunks are numbered 0..k-1."""
         if spans.size == 0 or spans.size % 3:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from pergola.text.errors import RequestError, StringLimits, read_strings
 from pergola.config.hf_folder import ModelSpec
+from pergola.text.errors import RequestError, StringLimits, read_strings
 from pergola.text.tokenization import truncate_mode
 
 

@@ -45,9 +45,17 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from pergola.config.engine import EngineConfig
-from pergola.text.errors import RequestError, StringLimits, read_strings
 from pergola.config.hf_folder import ModelSpec
-from pergola.config.reranker import ANSWER_WORDS, RERANK_KINDS, AnswerIds, RerankKind, answer_ids, reranker_kind, yes_no_head
+from pergola.config.reranker import (
+    ANSWER_WORDS,
+    RERANK_KINDS,
+    AnswerIds,
+    RerankKind,
+    answer_ids,
+    reranker_kind,
+    yes_no_head,
+)
+from pergola.text.errors import RequestError, StringLimits, read_strings
 from pergola.text.tokenization import Template, cut, truncate_mode, window
 
 QWEN3_RERANKER_PREFIX = (

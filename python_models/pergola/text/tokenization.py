@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from pergola.text.chunking import ChunkLimits, late_ranges, text_spans, window_count, window_starts
 from pergola.config.engine import EngineConfig
-from pergola.text.errors import RequestError, StringLimits, quote, read_strings
 from pergola.config.hf_folder import ModelFolderError, ModelSpec
+from pergola.text.chunking import ChunkLimits, late_ranges, text_spans, window_count, window_starts
+from pergola.text.errors import RequestError, StringLimits, quote, read_strings
 
 # A first prefix of CHARS_PER_TOKEN characters per kept token covers them in nearly every
 # language (English ~4.5 characters a token, CJK ~1, code with long whitespace tokens more);
@@ -157,7 +157,7 @@ class Template:
         return sum(len(p) for p in self.parts)
 
     @classmethod
-    def probe(cls, tokenizer: Tokenizer, pair: bool = False) -> "Template":
+    def probe(cls, tokenizer: Tokenizer, pair: bool = False) -> Template:
         probes = [tokenizer.encode(t, add_special_tokens=False) for t in ("hello", "world")[:1 + pair]]
         full = tokenizer.post_process(probes[0], probes[1] if pair else None, add_special_tokens=True)
         ids, types = np.asarray(full.ids, dtype=np.int64), np.asarray(full.type_ids, dtype=np.int64)
@@ -211,7 +211,7 @@ class Chunks:
     ranges: np.ndarray  # [m, 3] int64, late: CHUNK_SPANS rows (chunk, start, end) over encoded.input_ids
 
     @classmethod
-    def join(cls, parts: list["Chunks"]) -> "Chunks":
+    def join(cls, parts: list[Chunks]) -> Chunks:
         """The chunks of consecutive groups of texts as those of all of them (ranges renumbered)."""
         if len(parts) == 1:
             return parts[0]

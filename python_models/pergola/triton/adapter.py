@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pergola.outputs.token_outputs import DEFAULT_OUTPUTS, check_outputs
 from pergola.text.classify import ClassifyOptions
 from pergola.text.encodings import check_encoding
 from pergola.text.errors import RequestError, bounded, decode_utf8
 from pergola.text.rerank import RerankOptions
-from pergola.outputs.token_outputs import DEFAULT_OUTPUTS, check_outputs
 from pergola.text.tokenization import truncate_mode
 
 MAX_OPTION_BYTES = 256  # string options are short names (PROMPT_NAME, ENCODING)

@@ -39,7 +39,8 @@ import bisect
 import ctypes
 import time
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 COUNTERS = ("requests", "sequences", "tokens")
 MODES = ("eager", "warmup", "capture", "replay")

@@ -19,10 +19,10 @@ from pathlib import Path
 from string import Template
 
 from pergola.config.engine import EngineConfig, TritonModelOptions
-from pergola.outputs.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER, label_names
 from pergola.config.hf_folder import load_model_spec
-from pergola.text.rerank import pair_max_length
+from pergola.outputs.heads import LABELS_PARAMETER, MAX_INPUT_PARAMETER, PROMPTS_PARAMETER, label_names
 from pergola.outputs.token_outputs import TOKEN_OUTPUT_TYPES
+from pergola.text.rerank import pair_max_length
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # python_models/pergola
 PROJECT_ROOT = PACKAGE_DIR.parents[1]

@@ -19,13 +19,13 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from pergola.triton.admin import redact, restricted_api_flags
 from pergola.config.options import option
 from pergola.config.settings import cache_dir, settings
+from pergola.triton.admin import redact, restricted_api_flags
 
 
 class ServerError(RuntimeError):
@@ -58,7 +58,7 @@ class TritonInstall:
     lib_dirs: list[Path]
 
     @classmethod
-    def prepare(cls, cache: Path | None = None) -> "TritonInstall":
+    def prepare(cls, cache: Path | None = None) -> TritonInstall:
         """Locate the wheel's server; assemble backends/python with this Python's stub (idempotent)
         in `cache` (default: cache_dir())."""
         root = _pytriton_root()

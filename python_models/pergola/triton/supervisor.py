@@ -35,9 +35,10 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from pergola.triton.admin import AdminError, RepositoryClient
 

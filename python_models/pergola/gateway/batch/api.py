@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import contextvars
 import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from starlette.exceptions import HTTPException

@@ -29,17 +29,18 @@ import asyncio
 import itertools
 import logging
 import random
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from pergola.text.errors import RequestError
 from pergola.gateway.admission import Admission
-from pergola.gateway.backend import Backend, EmbedRequest, Embedded, RerankRequest
+from pergola.gateway.backend import Backend, Embedded, EmbedRequest, RerankRequest
 from pergola.gateway.catalog import ServedModel
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.offload import Offload, TokenIds
+from pergola.text.errors import RequestError
 
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import orjson
 

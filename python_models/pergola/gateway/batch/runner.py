@@ -25,14 +25,14 @@ import os
 import re
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pergola.text.errors import RequestError
 from pergola.gateway import openai_api, rerank_api
 from pergola.gateway.backend import Backend
 from pergola.gateway.batch import lines
@@ -41,6 +41,7 @@ from pergola.gateway.batch.store import Store, new_id, now
 from pergola.gateway.errors import GatewayError
 from pergola.gateway.http import JSONResponse, error_response
 from pergola.gateway.options import GatewayOptions
+from pergola.text.errors import RequestError
 
 log = logging.getLogger("pergola.gateway")
 HANDLERS = {"/v1/embeddings": openai_api.embeddings, "/v1/rerank": rerank_api.rerank_route}  # lines.URLS' routes
