@@ -10,7 +10,7 @@ import fuzz_server
 import numpy as np
 from conftest import MIN_COSINE, TEXTS, cosine_rows
 
-CASES = 400
+CASES = 150  # a longer run: python perf/fuzz_server.py --cases N
 
 
 def embeddings_of(reply: Any) -> np.ndarray | None:

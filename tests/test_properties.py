@@ -146,6 +146,7 @@ def test_pretokenized_requests_are_answered_right_or_refused(server, hf_model, r
                                rtol=1e-3 if TEST_DEVICE == "cpu" else 1e-2)
 
 
+@pytest.mark.server  # reads what the server test above saw: in its tier
 def test_the_property_saw_both_outcomes():
     """The generator is not so broken that every request is refused (or none is)."""
     assert OUTCOMES["answered"] >= 20 and OUTCOMES["refused"] >= 10, OUTCOMES
