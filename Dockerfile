@@ -26,10 +26,10 @@ ARG CPU_TORCH_VERSION=2.13.0
 ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 # FlashInfer's attention kernels, built here: the runtime image has no nvcc, and the start-up probe
-# leaves out a FlashInfer kernel that would have to be compiled first (20-70 s a module), which on
-# Hopper costs the most at long texts (PyTorch's FA2 takes twice FA3's time at 4 x 4,096 tokens,
-# perf/RESULTS.md). The modules pergola loads (scripts/flashinfer_aot.py): the FA2 template for
-# Ampere, Ada and Hopper, FA3 for Hopper, head dims 64 and 128, BF16 and FP16.
+# leaves out a FlashInfer kernel that would have to be compiled first (tens of seconds a module),
+# which on Hopper costs the most at long texts, where PyTorch's FA2 trails FA3
+# (perf/results/2026-12-03-a4c7de7/NOTES.md). The modules pergola loads (scripts/flashinfer_aot.py):
+# the FA2 template for Ampere, Ada and Hopper, FA3 for Hopper, head dims 64 and 128, BF16 and FP16.
 FROM nvcr.io/nvidia/cuda:12.6.3-devel-ubuntu22.04 AS flashinfer
 ARG TORCH_VERSION
 ARG TORCH_INDEX

@@ -102,12 +102,12 @@ WHEELS = [
     ("certifi==2026.10.19.post1", "if:certifi"),
 ]
 FLASHINFER = "flashinfer-python==0.5.3"
-# FlashInfer JIT-compiles its kernels on first use (fa2 ~21 s, fa3 ~66 s on the H200). When nvcc is
+# FlashInfer JIT-compiles its kernels on first use (tens of seconds a module). When nvcc is
 # here, the bundle carries them prebuilt for Hopper instead: the modules pergola's flashinfer_fa2 /
 # flashinfer_fa3 backends load for BF16 with head_dim 128 (Qwen3) and 64 (bge-m3 / XLM-R large,
 # gte-modernbert-base, MPNet), as FlashInfer's "AOT" modules. Without a built module the start-up
-# probe leaves FlashInfer out (attention.flashinfer_ready); bge-m3 at 4,096 tokens, without one,
-# trailed HF transformers' SDPA (perf/RESULTS.md, 2026-12-05; which kernel it ran was not logged).
+# probe leaves FlashInfer out (attention.flashinfer_ready); bge-m3 at long texts, without one,
+# trailed HF transformers' SDPA (perf/results/2026-12-05-8eb77c5/NOTES.md).
 FLASHINFER_ARCH = "9.0a"
 CURAND = "nvidia-curand==10.4.5.25"  # cuRAND headers (CUDA 13) that the FA3 template includes
 FLASHINFER_AOT = [("fa2", 128), ("fa3", 128), ("fa2", 64), ("fa3", 64)]

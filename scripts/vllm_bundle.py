@@ -57,8 +57,8 @@ PART_PREFIX = "vllm_part"
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(39, 16, -1)] + ["manylinux2014_x86_64"]
 
 VLLM = "vllm==0.22.0"
-# Paths dropped from the wheel (prefixes): a Rust frontend binary, the FA2 kernels (190 MB; the
-# H200 runs FA3), DeepGEMM (FP8 MoE), and the Swagger files of --enable-offline-docs.
+# Paths dropped from the wheel (prefixes): a Rust frontend binary, the FA2 kernels (Hopper runs
+# FA3), DeepGEMM (FP8 MoE), and the Swagger files of --enable-offline-docs.
 VLLM_DROP = (
     "vllm/vllm-rs",
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",

@@ -237,8 +237,7 @@ class TritonPythonModel:
         """Those of EMBEDDING* ([n, 0] when OUTPUTS leaves out dense) and bge-m3's ragged SPARSE_* /
         TOKEN_* (empty unless OUTPUTS asks for them) that the caller wants: an ensemble maps them
         all, a direct caller usually names one. Only those: on the stub's path every numpy call
-        costs microseconds (the outputs took 44 µs of a batch-1 request on the CPU host, History
-        2026-12-05 in perf/RESULTS.md)."""
+        costs microseconds (perf/results/2026-12-05-eb8e445-cpu/NOTES.md)."""
         outputs = {}
         if options.spans is not None:
             pooled = self.engine.late_vectors(req, options.spans)

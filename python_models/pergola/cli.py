@@ -11,14 +11,14 @@ import json
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pergola_client import ENCODINGS
 
 from pergola import batch_cli
 from pergola.config.engine import EngineConfig, TritonModelOptions
-from pergola.config.options import add_arguments, markdown_table, option, values_from
+from pergola.config.options import add_arguments, env_name, markdown_table, option, values_from
 from pergola.config.settings import Settings, settings
 from pergola.gateway.options import GatewayOptions
 from pergola.text.tokenization import TRUNCATE_MODES
@@ -56,7 +56,8 @@ class BuildOptions:
                            "Triton sees", metavar="N,N...")
 
 
-MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` | all-MiniLM-L6-v2 | a Hugging Face "
+MODEL_ENV = env_name(next(f for f in fields(Settings) if f.name == "model"))  # --model's default, declared there
+MODEL_ROW = (f"| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `{MODEL_ENV}` | all-MiniLM-L6-v2 | a Hugging Face "
              "model folder or Hub id (fetched into the Hugging Face cache; HF_TOKEN, HF_HUB_OFFLINE honoured); "
              "repeat to serve several side by side (the first embedder is also `embed`, the first reranker "
              "`rerank`) |")
@@ -64,9 +65,9 @@ MODEL_ROW = ("| `--model [NAME=]FOLDER\\|ORG/NAME[@REVISION]` | `PERGOLA_MODEL` 
 
 def options_markdown() -> str:
     """The options table of docs/options.md, generated from the declarations."""
-    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions, Settings])
+    table = markdown_table([BuildOptions, ServerOptions, GatewayOptions, EngineConfig, TritonModelOptions, Settings],
+                           listed={MODEL_ENV})  # MODEL_ROW lists it, with --model
     header, rule, *rows = table.splitlines()
-    rows = [row for row in rows if "`PERGOLA_MODEL`" not in row]  # MODEL_ROW lists it, with --model
     return "\n".join([header, rule, MODEL_ROW, *rows])
 
 

@@ -35,17 +35,16 @@ class EngineConfig:
     dtype: str = option("auto", "compute dtype; auto: bfloat16 on a GPU, float32 on the CPU",
                         choices=("auto",) + DTYPES)
     max_batch_tokens: int = option(0, "token budget of one forward step; 0: 16384 on a GPU, 1024 on a CPU, where "
-                                      "larger steps are slower per token (all-MiniLM-L6-v2 on one core: 2,848 "
-                                      "tokens/s at 1,024, 2,218 at 16,384) and hold a query up for seconds")
+                                      "larger steps are slower per token and hold a query up for seconds")
     query_tokens: int = option(2048, "requests of at most this many tokens (queries) take a lane of their own: "
                                      "their steps come first and run between the layers of a large "
                                      "step in flight, so a query waits about one layer, not a whole step "
-                                     "(engine/loop.py; perf/RESULTS.md, mixed traffic); 0: one lane for all")
+                                     "(engine/loop.py; perf/results/2026-12-04-c60177f/NOTES.md); 0: one lane "
+                                     "for all")
     query_fill_tokens: int = option(0, "GPU only: top a queries' step up with queued bulk sequences to this many "
-                                       "tokens (at most query_tokens). Bulk work then loses less to queries (88% "
-                                       "of its throughput kept instead of 83% at 2,048, H200, 100 x 512 tokens) "
-                                       "but a query waits for the larger step (p50 7.2 ms instead of 3.9; "
-                                       "perf/RESULTS.md, mixed traffic); 0: queries' steps hold queries only")
+                                       "tokens (at most query_tokens). Bulk work then loses less to queries, "
+                                       "but a query waits for the larger step (perf/results/2026-12-04-43e5651/"
+                                       "NOTES.md); 0: queries' steps hold queries only")
     max_batch_seqs: int = option(256, "most sequences in one forward step (bounds graph keys and pooling buffers)")
     max_texts: int = option(2048, "most texts in one embedding request (OpenAI's own maximum)")
     max_documents: int = option(2048, "most documents in one rerank request")
@@ -70,7 +69,7 @@ class EngineConfig:
     eager_attention_backend: str = option("auto", "kernel for steps above the CUDA-graph crossover; auto: the "
                                                   "probe's pick for 16k-token steps", choices=ATTENTION_BACKENDS)
     probe_fa4: bool = option(False, "let the start-up probe time FlashAttention-4 (it compiles its kernels "
-                                    "first, ~11 s per model load)")
+                                    "first, seconds on every model load)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cuda_graph_max_tokens: int = option(CUDA_GRAPH_MAX_TOKENS, "steps with more tokens run eagerly (the "
                                                                "launch-vs-GPU-time crossover)")
@@ -83,17 +82,15 @@ class EngineConfig:
                                        "embeddings and heads stay in BF16 (docs/gpu.md: FP8)",
                                 choices=QUANTIZATIONS)
     fp8_bf16_layers: int = option(1, "with --quantization fp8: the first and the last N transformer layers keep "
-                                     "BF16 weights (lowest per-text cosine to BF16, FP8 emulated on the CPU: "
-                                     "all-MiniLM-L6-v2 0.9922 with 0, 0.9951 with 1, 0.9977 with 2; the seeded "
-                                     "Qwen3-0.6B shape 0.9870 / 0.9927 / 0.9948, 0.9956 with 3; on its 28 layers "
-                                     "1 keeps 7% of the matmul work in BF16; perf/RESULTS.md); 0: every layer in FP8")
+                                     "BF16 weights: the end layers lift the lowest per-text cosine to BF16 the "
+                                     "most per matmul kept (perf/results/2026-12-05-614fe80-cpu/NOTES.md); 0: "
+                                     "every layer in FP8")
     fold_norms: bool = option(True, "Qwen3: fold each layer's two RMSNorm gains into the q/k/v and gate/up "
                                     "weights; the kernels after those matmuls apply 1/rms, so a layer runs two "
-                                    "kernels fewer, 56 in a forward of Qwen3-0.6B (perf/RESULTS.md); "
-                                    "not with FP8")
+                                    "kernels fewer (perf/results/2026-12-06-dee4f3a/NOTES.md); not with FP8")
     cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
-                                 "own threads keep a core (on 2 cores, two threads stalled 4-10% of batch-1 "
-                                 "requests ~0.5 s)")
+                                 "own threads keep a core (with every core taken, batch-1 requests stalled "
+                                 "now and then; perf/results/2026-12-03-a4c7de7/NOTES.md)")
     metrics_flush_s: float = option(1.0, "pergola's counters reach Triton at most this often (seconds; 0: after "
                                          "every batch), histograms a tenth as often: each update is a "
                                          "stub-to-server round trip")

@@ -134,10 +134,11 @@ def default_text(f: Field) -> str:
     return str(default)
 
 
-def markdown_table(classes: Iterable[type]) -> str:
-    """The options table of docs/options.md: flag, environment variable, default, meaning."""
+def markdown_table(classes: Iterable[type], listed: Iterable[str] = ()) -> str:
+    """The options table of docs/options.md: flag, environment variable, default, meaning; no row
+    for the variables in `listed` (a flag declared by hand lists them)."""
     rows = ["| option | environment | default | |", "| --- | --- | --- | --- |"]
-    listed = set()  # a variable is listed once: where its flag declares it (PERGOLA_REPO, PERGOLA_API_KEY, ...)
+    listed = set(listed)  # a variable is listed once: where its flag declares it (PERGOLA_REPO, PERGOLA_API_KEY, ...)
     for cls in classes:
         for f in declared(cls) + environment_only(cls):
             if env_name(f) in listed or (not f.metadata["cli"] and f"`{env_name(f)}`" in "".join(rows)):

@@ -61,9 +61,8 @@ class Engine:
             raise RequestError("LENGTHS must be a non-empty 1-D list of token counts")
         if lengths.size > most:
             raise RequestError(f"{lengths.size} sequences in one request; the limit is {most}")
-        # Few numpy reductions: on a stub's path each costs microseconds (these checks took 31 µs of
-        # a batch-1 request on the CPU host, 46 on the H200 host's, 5.6 warm in a loop; perf/RESULTS.md
-        # History 2026-12-05), so one sequence is checked with Python ints and the ids with one max.
+        # Few numpy reductions: on a stub's path each costs microseconds (perf/results/2026-12-05-eb8e445-cpu/
+        # NOTES.md), so one sequence is checked with Python ints and the ids with one max.
         if lengths.size == 1:
             shortest = longest = total = int(lengths[0])
         else:

@@ -1,20 +1,18 @@
 """EncodeLoop: the engine's own thread, taking requests as they arrive, one step at a time.
 
-Why: with Triton handing the encoder a batch of requests per `execute()` and the engine running
-all their steps before returning, the request was the unit of scheduling: a query that arrived
-meanwhile waited in Triton's queue behind every bulk request already taken (362 ms instead of
-2.6 ms on the H200 under bulk load, perf/RESULTS.md). Here `execute()` only queues requests
-(the Python backend's response sender answers them later) and this thread packs every step
-from all queued requests (engine/scheduler.py: least work left first), so a query waits for
-at most the step in flight, and with the query lane (`query_tokens`) about one layer of it: its
-step runs between two layers of the bulk step (`_between_layers`; on the H200 under 100 x 512-token
-bulk requests a 128-token query took 3.90 ms p50, against 84.4 ms with one lane, perf/RESULTS.md
-"Mixed traffic"). Run in turn, each query costs the bulk work ~2 ms of an H100's time, about its
-whole batch-1 forward, which leaves most SMs idle. Between steps it also drops requests whose
-client has gone (a cancelled gRPC call, or a request past its own `timeout`), and `submit()` refuses new work at
-once when the queued work would take longer than `max_queue_seconds` at the measured
-throughput (but for work the gateway admitted, which weighed it before any work), or than the
-request's own timeout: load is shed by work, not by request count.
+Why: with Triton handing the encoder a batch of requests per `execute()` and the engine running all
+their steps before returning, the request was the unit of scheduling: a query that arrived meanwhile
+waited in Triton's queue behind every bulk request already taken. Here `execute()` only queues
+requests (the Python backend's response sender answers them later) and this thread packs every step
+from all queued requests (engine/scheduler.py: least work left first), so a query waits for at most
+the step in flight, and with the query lane (`query_tokens`) about one layer of it: its step runs
+between two layers of the bulk step (`_between_layers`; perf/results/2026-12-04-c60177f/NOTES.md).
+Run in turn, each query costs the bulk work about its whole batch-1 forward, which leaves most SMs
+idle. Between steps it also drops requests whose client has gone (a cancelled gRPC call, or a
+request past its own `timeout`), and `submit()` refuses new work at once when the queued work would
+take longer than `max_queue_seconds` at the measured throughput (but for work the gateway admitted,
+which weighed it before any work), or than the request's own timeout: load is shed by work, not by
+request count.
 """
 
 from __future__ import annotations
@@ -39,12 +37,12 @@ log = logging.getLogger("pergola.engine")
 
 CANCEL_CHECK_S = 0.05  # how often a queued request's "client gone?" is asked (an IPC to the server)
 # Layers the host may launch ahead of the device in a bulk step while queries are served between
-# layers: a query's step waits for about this many layers (~1 ms each at 16k tokens on the H200).
+# layers: a query's step waits for about this many layers of a full-budget step.
 LAYERS_AHEAD = 1
 # ... except in a bulk step's last layers: there the host runs ahead, so that packing the next
 # step (gather, copy, plan: a few ms for 16k tokens) overlaps the device's last layers instead of
-# leaving it idle (bulk alone ran at 1,060 emb/s with the host held back on every layer, against
-# 1,100 without, 100 x 512 on the H200, perf/results/2026-12-04-c60177f).
+# leaving it idle (bulk alone ran slower with the host held back on every layer,
+# perf/results/2026-12-04-c60177f/NOTES.md).
 FREE_LAST_LAYERS = 3
 
 
@@ -161,11 +159,11 @@ class EncodeLoop:
         query: then submit() it.
 
         Why: handing a lone query to the loop's thread and answering it from there costs a
-        thread hand-off and a response sender's round trip on every idle request (batch-1 p50
-        3.29 ms through Triton on the H200 with both, 2.63 ms before the loop existed;
-        perf/RESULTS.md, mixed traffic). Safe without a lock around the compute because the
-        caller (the adapter's execute()) is the only thread that submits: while it computes
-        here, nothing new reaches the queue, and the sleeping loop has nothing to run."""
+        thread hand-off and a response sender's round trip on every idle request, which batch-1
+        latency through Triton showed (perf/results/2026-12-04-43e5651/NOTES.md). Safe without a
+        lock around the compute because the caller (the adapter's execute()) is the only thread
+        that submits: while it computes here, nothing new reaches the queue, and the sleeping loop
+        has nothing to run."""
         with self._cond:
             if not self._idle or self._queue or self._stopping or not self._queue.is_query(int(request.input_ids.size)):
                 return None

@@ -151,12 +151,10 @@ class LaneQueue:
     Without `query_tokens` it is one WorkQueue, as before.
 
     With `fill_tokens`, a queries' step is topped up with bulk sequences: a step of a few hundred
-    tokens costs nearly as much GPU time as one of two thousand (the weights are read either way:
-    one 128-token step of the Qwen3-0.6B shape is 1.12 ms busy on the H200, 1,024 tokens 2.15 ms,
-    while bulk work costs 1.81 us a token; perf/results/2026-12-02-bbb60da/anatomy.json), so the
-    bulk sequences it carries cost little. Measured through the server it is a trade, off by
-    default: bulk kept 88% instead of 83% of its throughput, but queries waited for the larger
-    steps (p50 7.2 ms instead of 3.9; perf/RESULTS.md, mixed traffic)."""
+    tokens costs nearly as much GPU time as one of two thousand (the weights are read either way),
+    so the bulk sequences it carries cost little. Measured through the server it is a trade, off
+    by default: bulk keeps more of its throughput, but queries wait for the larger steps
+    (perf/results/2026-12-04-43e5651/NOTES.md)."""
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int, query_tokens: int = 0,
                  fill_tokens: int = 0) -> None:

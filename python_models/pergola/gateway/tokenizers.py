@@ -1,10 +1,9 @@
 """Short texts tokenized in the gateway itself: a query skips one Triton hop.
 
 Through the embed ensemble a text travels gateway -> NAME_tokenizer (a Python stub) -> NAME_encoder.
-For a query that hop is most of what separates a text from pre-tokenized ids: on the H200 host an
-8-word text through `embed` took 4.59 ms p50 against 3.58 ms for 128 ids sent straight to the
-encoder (perf/RESULTS.md, mixed traffic, 2026-12-04), while tokenizing the text takes tens of
-microseconds. Under bulk text traffic the tokenizer instances are busy too, and a query waits there.
+For a query that hop is most of what separates a text from pre-tokenized ids
+(perf/results/2026-12-04-43e5651/NOTES.md), while tokenizing the text takes microseconds. Under
+bulk text traffic the tokenizer instances are busy too, and a query waits there.
 
 When the gateway can read the repository its Triton server loads (`pergola serve` passes it as
 --triton-repository), an embed, rerank or classify request of at most --gateway-tokenize-chars
@@ -16,14 +15,12 @@ version of NAME_encoder. Larger requests still go through the tokenizer instance
 spread over the replicas.
 
 A request of at most INLINE_CHARS characters is tokenized on the event loop; a larger one in a
-small thread pool. Hugging Face tokenizers' `encode_batch` releases the GIL, so a 2,500-character
-text tokenizing on a thread leaves the loop serving others (a 1k-iteration loop on the main
-thread: p99 89 us beside a tokenizing thread, against 619 us beside `encode`, which holds it)
-and several requests tokenize at once; the hand-off costs ~50 us (uvloop, run_in_executor round
-trip, p50 on the 2-core CPU host), a tenth of tokenizing 1,024 characters with Qwen3's tokenizer
-there (575 us; 50 characters: 39 us), so shorter requests stay on the loop. A tokenizer is loaded in a worker thread
-the first time its (model, version) is asked for; until then, and after a failed load, requests
-take the ensemble's path.
+small thread pool. Hugging Face tokenizers' `encode_batch` releases the GIL, so a long text
+tokenizing on a thread leaves the loop serving others (`encode` holds it) and several requests
+tokenize at once; the hand-off costs as much as tokenizing a short text, so short requests stay
+on the loop (perf/results/2026-12-05-eb9bb0f-cpu/NOTES.md). A tokenizer is loaded in a worker
+thread the first time its (model, version) is asked for; until then, and after a failed load,
+requests take the ensemble's path.
 """
 
 from __future__ import annotations

@@ -164,10 +164,10 @@ class TorchFlashAttention(AttentionBackend):
 class FlashAttention4(AttentionBackend):
     """FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL, module `flash_attn.cute`): varlen forward.
 
-    On the H200 (4.0.0b36, its sm90 kernel FlashAttentionForwardSm90) it matches PyTorch's FA2
+    On Hopper (4.0.0b36, its sm90 kernel FlashAttentionForwardSm90) it matches PyTorch's FA2
     eagerly and inside graphs (tests/test_gpu.py); replayed in a graph it is the fastest kernel
-    measured at one 2,048- or 4,096-token text and close to FlashInfer's FA3 elsewhere, while
-    launched eagerly it pays ~180 µs of host work per call (perf/results/2026-12-03-a4c7de7/).
+    measured at one long text and close to FlashInfer's FA3 elsewhere, while launched eagerly it
+    pays host work on every call (perf/results/2026-12-03-a4c7de7/NOTES.md).
     `flash_attn_varlen_func` takes cu_seqlens on the device and max_seqlen as Python ints and reads
     no tensor on the host in the forward, so the call is graph-safe once its kernel is compiled; it
     returns (out, lse), lse None unless asked for. Kernels are JIT-compiled per variant on first use
@@ -213,8 +213,8 @@ class FlashInferAttention(AttentionBackend):
     which is what makes the captured kernels valid for any later step of that bucket.
     Each CUDA stream that plans gets its own workspace (split-kv partials) and wrappers: kernels of
     one stream never overlap, but the queries' stream runs beside the bulk one (engine/runner.py).
-    Kernels are JIT-compiled on first use (fa2 ~21 s, fa3 ~66 s on the H200) unless a
-    prebuilt module is installed (`scripts/gpu_bundle.py --with-flashinfer` ships them).
+    Kernels are JIT-compiled on first use (tens of seconds a module) unless a prebuilt module is
+    installed (`scripts/gpu_bundle.py --with-flashinfer` ships them).
     """
 
     template: ClassVar[str]  # FlashInfer's prefill backend: "fa2" or "fa3"
@@ -222,7 +222,7 @@ class FlashInferAttention(AttentionBackend):
     graph_safe = True
 
     # The float workspace holds split-kv partials: FA2 with 16 heads of 64 (bge-m3's shape) asked
-    # for 149 MiB on a probe step of the H200 run of 2026-12-05 (pytest_archs.log) and was dropped.
+    # for 149 MiB on a probe step and was dropped (perf/results/2026-12-05-8eb77c5/pytest_archs.log).
     WORKSPACE_MB = 256
 
     def __init__(self, device: torch.device, dtype: torch.dtype, workspace_mb: int = WORKSPACE_MB) -> None:

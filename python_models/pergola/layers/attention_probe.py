@@ -4,22 +4,21 @@
 steps are timed the way they run, replayed from a CUDA graph (FlashInfer in its CUDA-graph mode),
 and the fastest kernel is chosen per class of step size (up to 512, 2048 tokens and the graph
 crossover): at one 128-token text FlashInfer's graph mode pays a split-KV merge kernel per layer
-that PyTorch's FA2 does not, while at 4096 tokens FlashInfer's FA3 is twice as fast
-(perf/RESULTS.md). Full token-budget steps are timed eagerly, as they run, and pick the eager
-kernel. Which kernel wins depends on the GPU, head layout and step shape, hence measuring instead
-of a fixed table.
+that PyTorch's FA2 does not, while at long steps FlashInfer's FA3 is the faster
+(perf/results/2026-12-03-a4c7de7/NOTES.md). Full token-budget steps are timed eagerly, as they run,
+and pick the eager kernel. Which kernel wins depends on the GPU, head layout and step shape, hence
+measuring instead of a fixed table.
 
 The candidates are the registered backends whose rule says yes here (BACKENDS in
 pergola.layers.attention). FlashInfer kernels that are not compiled yet are left out: compiling
-them on first use takes 20-70 s, which a start-up must not pay silently. Ship them prebuilt
+them on first use takes tens of seconds, which a start-up must not pay silently. Ship them prebuilt
 (scripts/gpu_bundle.py) or name the backend explicitly in the config to compile it once.
 
 FlashAttention-4 (`flash_attn4`) also compiles on first use (CuTe DSL JIT, one kernel per variant;
-the probe's shapes need several) and has no prebuilt form: on the H200 that made a Qwen3-0.6B
-load take 15.8 s instead of 4.3 s. So it is timed only when `probe_fa4` (`--probe-fa4`) asks for
-it, and only on the GPUs it supports; there it wins the graph classes that hold one long text,
-which is worth the compile for long-query latency and not for short queries
-(perf/results/2026-12-03-a4c7de7/).
+the probe's shapes need several) and has no prebuilt form: timing it makes every model load pay
+that compile. It is timed only when `probe_fa4` (`--probe-fa4`) asks for it, and only on the GPUs
+it supports; there it wins the graph classes that hold one long text, which is worth the compile
+for long-query latency and not for short queries (perf/results/2026-12-03-a4c7de7/NOTES.md).
 """
 
 from __future__ import annotations

@@ -173,10 +173,11 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     """x [M, K] (BF16, or already quantized) @ weight [N, K]^T (e4m3, scale [1, N]) (+ bias [N]) -> [M, N] BF16.
 
     `weight.t()` is the column-major [K, N] operand the GPU kernel wants, with no copy. Fast
-    accumulation (Hopper's FP8 accumulator, no periodic promotion to fp32) measured 15-30% faster
-    at M = 51,200 on the Qwen3-0.6B projections on the H200, per-row cosine against the exact
-    accumulation >= 0.999996. On the CPU, the same product in fp32 from the dequantized operands
-    (PyTorch's CPU `_scaled_mm` takes row-wise scales in some versions only), which the tests use.
+    accumulation (Hopper's FP8 accumulator, no periodic promotion to fp32) measured faster on
+    large steps of the Qwen3-0.6B projections, with per-row cosines to the exact accumulation
+    that round to 1 (perf/results/2026-12-04-017c6c0/NOTES.md). On the CPU, the same product in
+    fp32 from the dequantized operands (PyTorch's CPU `_scaled_mm` takes row-wise scales in some
+    versions only), which the tests use.
     """
     q, scale = x if isinstance(x, Fp8Rows) else quantize_rows(x)
     if not q.is_cuda:
@@ -206,7 +207,7 @@ def quantize_layers(model: nn.Module, num_layers: int, bf16_layers: int = 0) -> 
 
     Why the ends stay in BF16: e4m3's 3-bit mantissa on every operand is the loss, not scales
     (finer ones changed nothing), so only fewer FP8 products lift the fidelity, and the first and
-    last layers lifted it the most per product kept (perf/RESULTS.md, History 2026-12-05)."""
+    last layers lifted it the most per product kept (perf/results/2026-12-05-614fe80-cpu/NOTES.md)."""
     from pergola.layers.linear import Linear
 
     skipped = []

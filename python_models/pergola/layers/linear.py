@@ -7,11 +7,11 @@ the model is built for a device): tiles depend only on (kind, N, K), M picks the
 
 Why Triton kernels at all: (1) at batch-1 sizes (M ~ 128 tokens) cuBLAS tiles the output
 128 x 128, so the 1024-column o/down projections of Qwen3-0.6B run as 8 CTAs on 132 SMs and read
-their weights at ~0.7 TB/s of the H200's 4.8; narrow Triton tiles (BN 32-64) put 64-256 CTAs on
-the same matmul. (2) `gated` is gate_up + SiLU*mul in one kernel, which saves the [M, 2I] round
-trip through memory: for large M a persistent TMA kernel whose wgmma tile spans BN gate and BN
-up columns, faster than cuBLAS + the SiLU kernel from M = 1024 on the H200
-(perf/results/2026-12-02-e5fe34e/).
+their weights at a fraction of the memory bandwidth; narrow Triton tiles (BN 32-64) put 64-256
+CTAs on the same matmul. (2) `gated` is gate_up + SiLU*mul in one kernel, which saves the [M, 2I]
+round trip through memory: for large M a persistent TMA kernel whose wgmma tile spans BN gate and
+BN up columns, faster than cuBLAS + the SiLU kernel from the table's crossover
+(perf/results/2026-12-02-e5fe34e/NOTES.md).
 
 Which kernel and tile serve which M is a table measured on the GPU (`perf/bench_gemm.py` prints
 it); shapes the table does not cover, and every CPU call, take the PyTorch path. Numerics are
@@ -69,12 +69,11 @@ class Tile:
 # for shapes not listed, cuBLAS (+ the SiLU kernel) runs. `--matmul file.json` (what
 # perf/bench_gemm.py --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
 TileTable = dict[str, list[tuple[int, Tile | None]]]
-# H200, Qwen3-0.6B projections, measured by perf/bench_gemm.py (perf/results/2026-12-02-72be249/ and
-# perf/results/2026-12-02-e5fe34e/): the pointer kernel wins only at M <= 64 (gate_up + SiLU 7.6 ->
-# 6.1 µs at M = 16); from M = 128 cuBLAS wins every plain shape, the persistent TMA kernel included.
-# gate_up + SiLU on the TMA kernel beats cuBLAS + the SiLU kernel from M = 1024 (10%; 18-20% from
-# 2048), cuBLAS wins from 128 to 512. Past 16384 (beyond the default step budget) the kernel is in
-# the same compute-bound regime, so the last row extends it.
+# H200, Qwen3-0.6B projections, measured by perf/bench_gemm.py (perf/results/2026-12-02-e5fe34e/NOTES.md):
+# the pointer kernel wins only at M <= 64; from M = 128 cuBLAS wins every plain shape, the persistent
+# TMA kernel included. gate_up + SiLU on the TMA kernel beats cuBLAS + the SiLU kernel from M = 1024,
+# cuBLAS wins from 128 to 512. Past 16384 (beyond the default step budget) the kernel is in the same
+# compute-bound regime, so the last row extends it.
 SM90_TILES: TileTable = {
     "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
     "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128)), (512, None),
@@ -141,9 +140,8 @@ if HAVE_TRITON:
         # products are scaled by each x row's 1/rms before the epilogue (the norm costs no kernel
         # of its own). The sum of squares has a loop of its own over x [BM, K] (a few KB, from
         # L2): summed from the `a` tiles of the pipelined dot loop (num_stages > 1), Triton 3.6
-        # on the H100 gave wrong sums for tiles of BM >= 64 (up to 8.2 off in a product of ~1;
-        # 64x32x128 at M = 2048, 64x64x*, 128x128x64), while the same kernel with num_stages = 1
-        # or the separate loop was exact (perf/results/2026-12-06-5ad8bf1/).
+        # gave wrong sums for tiles of BM >= 64, while the same kernel with num_stages = 1 or the
+        # separate loop was exact (perf/results/2026-12-06-5ad8bf1/NOTES.md).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)

@@ -13,10 +13,10 @@ row's end (causal: to its last row), and masks per element. So the grid depends 
 (padded) token count, and the call is graph-safe with no host work. The price is wasted key
 blocks when many short sequences share a program's rows, and a serial key loop per program:
 the start-up probe (pergola.layers.attention_probe) times it against the other kernels per
-class of step size and only picks it where it wins. On the H200 with Qwen3-0.6B heads that is
-the class of steps up to 512 tokens; where FlashInfer is not installed it beats PyTorch's FA2 at
-every graph shape measured (perf/results/2026-12-03-87e4492/). Qwen3's q/k-norm + RoPE folded into this kernel was measured
-and dropped: each program re-normalised every key block, slower than a separate norm kernel.
+class of step size and only picks it where it wins: with Qwen3-0.6B heads, the short steps, and
+where FlashInfer is not installed, every graph shape measured (perf/results/2026-12-03-87e4492/
+NOTES.md). Qwen3's q/k-norm + RoPE folded into this kernel was measured and dropped: each program
+re-normalised every key block, slower than a separate norm kernel.
 
 Layouts: q [T, Hq, D], k / v [T, Hkv, D], any token and head strides with a contiguous last
 dimension (views into the fused qkv projection are read in place); GQA maps query head h to

@@ -46,8 +46,8 @@ class BandAttention:
     """Sliding-window attention of one step: keys with |q - k| < window (causal: 0 <= q - k <
     window). On a GPU that runs FlashAttention-2 it is PyTorch's varlen kernel with its window on
     the ragged tokens (cost ~ tokens x window); elsewhere a padded grid (SDPA with a band mask,
-    cost ~ tokens x longest sequence: gte-modernbert-base at 4,096 tokens ran at a third of
-    vLLM's throughput that way on the H200, perf/RESULTS.md). Made per forward; the layout and
+    cost ~ tokens x longest sequence: gte-modernbert-base at long texts trailed vLLM that way,
+    perf/results/2026-12-05-8eb77c5/NOTES.md). Made per forward; the layout and
     the mask are built at the first sliding layer that needs them and shared by the others."""
 
     def __init__(self, meta: AttentionMetadata, positions: torch.Tensor, longest: int) -> None:

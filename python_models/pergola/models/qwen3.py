@@ -251,9 +251,8 @@ class Qwen3Model(Model):
 
     def fold_norms(self) -> bool:
         """Fold every layer's two RMSNorm gains into the projections after them (Qwen3DecoderLayer.
-        fold_norms): 2 fewer kernels per layer, 56 of 288 in a batch-1 forward of Qwen3-0.6B
-        (perf/RESULTS.md, kernels of a batch-1 forward). Qwen2 (no q/k norm kernel to carry v's
-        scale, biases on q/k/v) keeps its norms. -> whether it folded."""
+        fold_norms): 2 fewer kernels per layer (perf/results/2026-12-06-dee4f3a/NOTES.md). Qwen2
+        (no q/k norm kernel to carry v's scale, biases on q/k/v) keeps its norms. -> whether it folded."""
         if not all(layer.self_attn.qk_norm and layer.self_attn.qkv_proj.bias is None for layer in self.layers):
             return False
         for layer in self.layers:

@@ -277,8 +277,8 @@ def end_with_server(every_s: float = 1.0) -> None:
 
     That thread needs the GIL, and python_backend's metric calls (Metric.set in every version
     read, increment in some) wait for the server's reply while holding it: a stub caught there
-    runs no Python again, the likely reason two stubs of a killed server were left on the H200
-    host (2026-12-05, tests/test_gateway.py). So a small shell process beside each stub, which
+    runs no Python again, the likely reason stubs of a killed server were left alive
+    (perf/results/2026-12-05-05e666b/NOTES.md). So a small shell process beside each stub, which
     needs nothing from it, kills it too (tests/test_hardening.py holds a stub's GIL for good)."""
     import subprocess
     import threading

@@ -141,9 +141,9 @@ class Supervisor:
         self.loader = loader  # None: every dead stub restarts the server, as before per-model recovery
         # Triton 2.51's HTTP server allocates and fills whatever element count a JSON input's shape
         # claims (2^40 INT64: std::bad_alloc and abort where the host refuses, but on a host that
-        # overcommits it kept filling: 113 GB resident a minute later, H100 host,
-        # perf/results/2026-12-05-05e666b/hardening_diag.log), so the OOM killer would end it later,
-        # maybe with other processes. Over this, it is restarted like a crashed server. 0: no limit.
+        # overcommits it kept filling, perf/results/2026-12-05-05e666b/hardening_diag.log), so the
+        # OOM killer would end it later, maybe with other processes. Over this, it is restarted like
+        # a crashed server. 0: no limit.
         self.memory_limit_bytes = memory_limit_bytes
         self.interval_s = interval_s
         self.live_every_s = live_every_s  # how often /v2/health/live is asked
