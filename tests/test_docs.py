@@ -38,7 +38,7 @@ SERVE_LINE = re.compile(r"make serve ARGS=\"((?:[^\"\\]|\\.)*)\"")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank_folders: dict[str, Path]):
     from conftest import start_serve
-    from pergola.testing import make_bge_m3_folder, make_classifier_folder
+    from pergola_testing import make_bge_m3_folder, make_classifier_folder
 
     root = tmp_path_factory.mktemp("docs-serve")
     folders = {"ms-marco-MiniLM-L6-v2": rerank_folders["cross-encoder"],
