@@ -198,9 +198,8 @@ class EncodeLoop:
     def _measure(self) -> None:
         """Seed the throughput with two full steps of a dummy batch (the first warms up),
         so that admission works from the first request of a flood. On the CPU, quarter steps: a
-        step's tokens per second hardly depend on its size there (MiniLM, one thread: 680-1,040
-        tokens/s at 256 and 1,024 tokens), and the two full steps took 2.3 s of every start and of
-        every reload after a crash (pergola/triton/supervisor.py), 4-5 s on a busy 2-core host."""
+        step's tokens per second hardly depend on its size there, and two full steps took seconds
+        of every start and of every reload after a crash (pergola/triton/supervisor.py)."""
         budget, length = self.engine.cfg.step_tokens, min(128, self.engine.spec.max_seq_length)
         if self.engine.device.type != "cuda":
             budget = max(length, budget // 4)
@@ -266,7 +265,7 @@ class EncodeLoop:
         """Idle for a second: give the heap back, tell the metrics (again after queries run_now
         answered), until there is work; then restart the work clock. Here, not only in `_wait`:
         work that arrives while a callback runs finds `woken()` true at once, and the idle time
-        must not count as the next step's (once it did, admission saw 2 tokens/s and refused)."""
+        must not count as the next step's (once it did, admission read a near-zero rate and refused)."""
         self._trimmer.now()
         self._idle_callback()
         answered = self.answered_at_once

@@ -1,9 +1,9 @@
 """Admission: a request's work is weighed against the work in flight before any of it is done.
 
-Why: refused after the work, a request costs nearly what an answered one does. Against `make
-serve` on the CPU, 64-256 clients of 32 x 200-word texts got 429 only after 0.8-3.1 s of
-tokenizing each, the few accepted waited 14-20 s (p50) against the encoder's 10 s bound, and a
-refused request's other chunks were computed anyway. Here the gateway says yes or no first.
+Why: refused after the work, a request costs nearly what an answered one does: under a flood
+each refusal came only after its texts were tokenized, the few accepted requests waited past the
+encoder's queue bound, and a refused request's other chunks were computed anyway
+(perf/results/2026-12-06-a3538ba-cpu/NOTES.md). Here the gateway says yes or no first.
 
 Work is counted in tokens, the engine's unit (a step costs per token, engine/scheduler.py):
 - before tokenizing it is estimated from characters: each input's characters over the model's
@@ -72,8 +72,8 @@ SPECIAL_TOKENS = 2  # added to each input's estimate ([CLS] ... [SEP], <s> ... <
 DEFAULT_LIMIT = 512  # a model's token limit, until an input cut short shows it (Load.cap)
 # Work is admitted to finish by this share of the queue bound (and of the request timeout): the
 # throughput is measured, not known, and the gateway's own refusals take CPU from the encoder on a
-# small host. Planned to the whole bound, the accepted p99 was 1.00-1.10x the bound with 64-256
-# clients on 2 cores; to 0.9 of it, 0.89-1.07x; to 0.8, 0.73-0.96x (perf/results/2026-12-06-a3538ba-cpu).
+# small host. Planned to the whole bound (or to 0.9 of it), the accepted p99 overshot the bound
+# under floods; planned to 0.8 it kept within (perf/results/2026-12-06-a3538ba-cpu/NOTES.md).
 PLAN = 0.8
 
 

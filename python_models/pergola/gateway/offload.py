@@ -4,8 +4,8 @@ One event loop serves every request of a gateway process: while it parses a 100 
 body or renders a 100 x 1,024-float answer, every other request waits, queries included. What
 runs in a worker instead: parsing a body of at least PARSE_BYTES (token ids come back as one
 int64 array, not 51,200 Python ints to convert again), rendering an answer of at least
-RENDER_VALUES numbers, and /tokenize (tokenizing and rendering). Queries stay on the loop: a
-hand-off costs ~0.5 ms, and a 64 kB body parses there in ~1.3 ms.
+RENDER_VALUES numbers, and /tokenize (tokenizing and rendering). Queries stay on the loop: below
+those sizes a hand-off to a worker costs more than the work it moves.
 
 Why processes, not threads: orjson holds the GIL for a whole call, and so does the Python that
 builds an answer, so a thread frees the loop only between bytecodes: a request arriving beside
@@ -131,7 +131,7 @@ def _size(values: tuple) -> int:
 
 def _job(fn: Callable[..., T], args: tuple) -> T:
     """fn(*args) in a worker; after a large one the freed heap goes back to the system
-    (pergola/triton/memory.py: glibc keeps it otherwise, 140-180 MB a worker after a 30 MB body)."""
+    (pergola/triton/memory.py: glibc keeps it otherwise, and each worker would ratchet to its largest job)."""
     try:
         out = fn(*args)
     except GatewayError as e:

@@ -1,12 +1,12 @@
 """Inference over Triton's HTTP port (KServe v2 with the binary-tensor extension), the gateway's
 hot path to a replica.
 
-Why not tritonclient's gRPC aio client, which the gateway keeps for its control calls: a batch-1
-call of 128 token ids costs the gateway 0.55 ms of CPU through it (protobuf objects, grpc's
-poller thread and its hand-offs to the event loop) and 0.18 ms through this client, whose request
-is one JSON header plus the tensors' bytes written on the loop's thread and whose answer is
-parsed by httptools (uvicorn's own C parser); the round trip is shorter than over gRPC, Triton's
-HTTP door included (perf/results/2026-12-05-88093b5-cpu/NOTES.md).
+Why not tritonclient's gRPC aio client, which the gateway keeps for its control calls: a small
+call costs the gateway about three times the CPU through it (protobuf objects, grpc's poller
+thread and its hand-offs to the event loop) as through this client, whose request is one JSON
+header plus the tensors' bytes written on the loop's thread and whose answer is parsed by
+httptools (uvicorn's own C parser); the round trip is shorter than over gRPC, Triton's HTTP door
+included (perf/results/2026-12-05-88093b5-cpu/NOTES.md).
 
 HTTP/1.1 carries one call per connection at a time, so each replica keeps a pool of keep-alive
 connections, opened as concurrency needs them up to MAX_CONNECTIONS (beyond that a call waits

@@ -1,12 +1,11 @@
 """Giving freed heap memory back to the system (glibc's malloc_trim).
 
-Why: glibc keeps memory that large requests freed. Measured on the CPU (perf/soak.py,
-docs/operations.md "Memory"): the encoder's RSS grew from 909 to 1,279 MB over 500 requests of varying
-shapes (freed tensor buffers left fragmented in the heap; oneDNN's per-shape caches add to it)
-and stayed there; a tokenizer stub held 200 MB after three requests at the size limit, 81 MB
-once trimmed. A trim every few seconds of work keeps both flat. The alternatives cost speed:
-a fixed MALLOC_MMAP_THRESHOLD_ (every large tensor freshly mapped) cut CPU throughput from
-2,347 to 1,515 tokens/s, ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 to 2,130; a trim costs a few ms.
+Why: glibc keeps memory that large requests freed. Under traffic of varying shapes the
+encoder's RSS climbs by hundreds of MB and stays there (freed tensor buffers left fragmented in
+the heap; oneDNN's per-shape caches add to it), and a tokenizer stub keeps what its largest
+requests took; a trim every few seconds of work keeps both flat (perf/soak.py, whose runs are in
+perf/README.md's hardening table). The alternatives cost speed: a fixed MALLOC_MMAP_THRESHOLD_ (every
+large tensor freshly mapped) or no oneDNN primitive cache slow CPU encoding; a trim costs a few ms.
 """
 
 from __future__ import annotations

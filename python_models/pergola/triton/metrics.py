@@ -23,9 +23,9 @@ execute ends at once: its real queue is the encode loop's, measured by pergola_q
 Counters reach Triton at most once per `metrics_flush_s` seconds (default 1; 0 = after every
 step), the encoder's histograms at most once per ten of those while it is busy (HISTOGRAM_FLUSHES),
 and the encode loop flushes the rest once it has been idle for a second.
-Why batched: each update is a round trip from the stub to the server process, and the four of
-them took 205 µs (p50) of every execute on a 2-core machine, inside the request's latency (16 µs
-batched); Prometheus scrapes every 1-15 s anyway. For the same reason histograms are counted
+Why batched: each update is a round trip from the stub to the server process, and one per
+counter on every execute sat inside the request's latency, an order of magnitude more than
+batched; Prometheus scrapes every 1-15 s anyway. For the same reason histograms are counted
 here and sent as COUNTER series rather than through the HISTOGRAM kind that Triton 2.51's stub
 has, whose observe() is a round trip per value (per step, per request); a flush sends one update
 per bucket that moved, whatever the rate. Every call comes from the encode loop's one
@@ -50,8 +50,8 @@ SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # While the encoder is busy its histograms go out with every tenth counter flush: sending the
-# three of them is ~35 round trips (each cumulative bucket at or above a value moves), 1.9 ms
-# (p50; 4.3 ms max) of the encode loop's time on a 2-core CPU host, against a few for the counters.
+# three of them is ~35 round trips (each cumulative bucket at or above a value moves), milliseconds
+# of the encode loop's time on a CPU host, against a few round trips for the counters.
 # A tokenizer's one histogram goes out as rarely.
 HISTOGRAM_FLUSHES = 10
 
@@ -113,8 +113,7 @@ def keep_forever(objects: Iterable[Any]) -> None:
 class TokenizerMetrics:
     """pergola_tokenize_seconds of a NAME_tokenizer model, sent from its execute() thread at most
     every HISTOGRAM_FLUSHES * flush_s seconds (what came after, with the next request past that,
-    and in finalize): sending it took 0.74 ms (p50; 4.8 ms max) of that request's time on a 2-core
-    CPU host."""
+    and in finalize): sending it is tens of round trips, inside that request's time."""
 
     def __init__(self, pb_utils: Any, model: str, flush_s: float = 1.0) -> None:
         self.flush_s = flush_s

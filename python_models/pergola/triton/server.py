@@ -254,8 +254,8 @@ def popen_tied(cmd: list[str], **kwargs) -> subprocess.Popen:
     handlers restart its poller there, which can crash the child before exec ("epoll_wait error:
     Bad file descriptor", SIGABRT or SIGSEGV): 9 of 300 starts of /bin/true from a process with a
     gRPC server and channel (grpcio 1.85), none without preexec_fn, where CPython uses vfork and
-    runs no fork handlers (tests/test_hardening.py). The wrapper costs one bare interpreter start
-    (~20 ms on a 2-core host, against a server start of seconds)."""
+    runs no fork handlers (tests/test_hardening.py). The wrapper costs one bare interpreter start,
+    little against a server start of seconds."""
     if not sys.platform.startswith("linux"):
         return subprocess.Popen(cmd, **kwargs)
     path = shutil.which(cmd[0], path=(kwargs.get("env") or os.environ).get("PATH"))
