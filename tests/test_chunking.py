@@ -342,6 +342,9 @@ def test_tei_embed_takes_chunking(here, document):
     ({"chunking": {}, "truncate": "END"}, 400, "truncate"),
     ({"chunking": {}, "max_tokens": 64}, 400, "max_tokens"),
     ({"chunking": {}, "input": [[101, 2023, 102]]}, 400, "chunking"),
+    ({"chunking": {}, "truncate_prompt_tokens": 32}, 400, "chunking"),  # vLLM's fields: cut, not windowed
+    ({"chunking": {}, "embed_dtype": "float16", "encoding_format": "base64"}, 400, "chunking"),
+    ({"chunking": {}, "endianness": "big", "encoding_format": "base64"}, 400, "chunking"),
     ({"chunking": {"tokens": 1}, "input": "a " * 5000}, 413, "chunking"),  # 5,000 windows, the limit 4,096
 ])
 def test_refusals_name_the_field(here, extra, status, param):

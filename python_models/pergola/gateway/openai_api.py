@@ -29,7 +29,7 @@ from pergola.gateway.errors import GatewayError, bad_request
 from pergola.gateway.http import Body, answer
 from pergola.gateway.offload import TokenIds
 from pergola.gateway.state import Gateway
-from pergola.gateway.vllm_api import Pooling, sys_order
+from pergola.gateway.vllm_api import Pooling
 from pergola.text.errors import RequestError, quote, read_strings
 from pergola.text.tokenization import truncate_mode
 
@@ -104,7 +104,7 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
     opts = pooling.options(opts, model, token_ids=isinstance(raw, TokenIds))
     chunking = chunking_option(body)
     if chunking is not None:  # long texts in windows (gateway/chunking.py)
-        if pooling.keep is not None or pooling.dtype != "float32" or pooling.byteorder not in ("=", sys_order()):
+        if pooling.keep is not None or not pooling.native_floats:
             raise bad_request("`chunking` answers float32 windows of whole texts: send it without "
                               "`truncate_prompt_tokens`, `embed_dtype` and `endianness`", "chunking")
         return await openai_chunked(gw, model, raw, opts, chunking, EMBEDDING_TYPES[embedding_type][1],

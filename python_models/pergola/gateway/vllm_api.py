@@ -156,10 +156,15 @@ class Pooling:
         index = np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), kept.tolist())])
         return TokenIds(ids.flat[index], kept.astype(np.int32))
 
+    @property
+    def native_floats(self) -> bool:
+        """Whether base64 carries float32 in this machine's byte order (nothing for `wire` to do)."""
+        return self.dtype == "float32" and self.byteorder in ("=", sys_order())
+
     def wire(self, values: np.ndarray) -> np.ndarray:
         """Float rows as base64 carries them: embed_dtype's values in the asked byte order
         (bfloat16: the top 16 bits of each float32, rounded to nearest even)."""
-        if values.dtype != np.float32 or (self.dtype == "float32" and self.byteorder in ("=", sys_order())):
+        if values.dtype != np.float32 or self.native_floats:
             return values
         if self.dtype == "bfloat16":
             bits = values.view(np.uint32)
