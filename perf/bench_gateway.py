@@ -56,6 +56,19 @@ class Gateway:
 
     def __init__(self, port: int, timeout: float = 120.0) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.busy_answers = 0  # 429/503 answers retried by `post`
+
+    def _send(self, body: bytes) -> tuple[http.client.HTTPResponse, dict]:
+        for attempt in range(2):  # uvicorn closes keep-alive connections idle for 5 s: reconnect once
+            try:
+                self.conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+                response = self.conn.getresponse()
+                return response, json.loads(response.read())
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.conn.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def embed(self, inputs: object, base64_out: bool = False) -> np.ndarray:
         return self.post(self.body(inputs, base64_out), base64_out)
@@ -66,17 +79,14 @@ class Gateway:
         return json.dumps({"model": NAME, "input": inputs} | ({"encoding_format": "base64"} if base64_out else {}),
                           separators=(",", ":")).encode()
 
-    def post(self, body: bytes, base64_out: bool = False) -> np.ndarray:
-        for attempt in range(2):  # uvicorn closes keep-alive connections idle for 5 s: reconnect once
-            try:
-                self.conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
-                response = self.conn.getresponse()
+    def post(self, body: bytes, base64_out: bool = False, busy_retries: int = 120) -> np.ndarray:
+        """Send; a 429/503 (admission says busy) is retried after its Retry-After, as a well-behaved client does."""
+        for _ in range(busy_retries + 1):
+            response, out = self._send(body)
+            if response.status not in (429, 503):
                 break
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                self.conn.close()
-                if attempt:
-                    raise
-        out = json.loads(response.read())
+            self.busy_answers += 1
+            time.sleep(float(response.getheader("Retry-After") or 1))
         if response.status != 200:
             raise RuntimeError(f"gateway answered {response.status}: {out}")
         rows = [d["embedding"] for d in out["data"]]

@@ -46,6 +46,21 @@ def _bulk_worker(make_sender: Callable, endpoint: tuple, batches: list, started:
     q.put(done)
 
 
+def _collect(q: Any, procs: list, timeout_s: float = 600) -> list:
+    """Each bulk process's rows; a process that died (its sender raised) ends the run with its exit code."""
+    import queue
+
+    out, end = [], time.time() + timeout_s
+    while len(out) < len(procs):
+        try:
+            out.append(q.get(timeout=1))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.time() > end:
+                raise RuntimeError(f"bulk processes failed (exit codes {dead}) or timed out: see their tracebacks above")
+    return out
+
+
 def _queries(kind: str, call: Callable[[], Any], *, n: int | None = None, seconds: float | None = None,
              gap_s: float = QUERY_GAP_S) -> list[tuple[float, float, str]]:
     """(wall time, latency ms, kind) of sequential queries: `n` of them, or for `seconds`."""
@@ -95,7 +110,7 @@ def run_load(kinds: QueryKinds, make_sender: Callable, endpoint: tuple, bulk_bat
     time.sleep(alone_s)
     t_stop = time.time()
     stop.set()
-    done = [row for _ in procs for row in q.get(timeout=600)]
+    done = [row for rows in _collect(q, procs) for row in rows]
     for p in procs:
         p.join(timeout=30)
     t_idle = time.time()
