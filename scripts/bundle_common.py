@@ -1,5 +1,5 @@
 """What the offline bundles share (scripts/gpu_bundle.py, scripts/vllm_bundle.py): wheels fetched
-with `pip download`, the Qwen3 tokenizer, and the packing of files into parts of at most 60 MB,
+with `pip download`, the Qwen3 tokenizer, and the packing of files into parts of at most 45 MB (--part-mb),
 each with a MANIFEST that the setup scripts (gpu_setup.sh, vllm_setup.sh) follow.
 """
 
@@ -212,7 +212,8 @@ def split_into_parts(items: list[Item], big: list[tuple[Path, str]], limit: int,
 
 
 def add_part_size_option(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--part-mb", type=float, default=60, help="largest part in MB (10^6 bytes), at most 60")
+    # A part travels with the working tree (~12 MB) in one 64 MiB call: 45 MB leaves room for both.
+    ap.add_argument("--part-mb", type=float, default=45, help="largest part in MB (10^6 bytes), at most 60")
 
 
 def part_limit(part_mb: float) -> int:

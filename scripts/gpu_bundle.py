@@ -3,7 +3,7 @@
 
 Usage (on a machine with PyPI access):
     python3 scripts/gpu_bundle.py [--with-flashinfer] [--with-fa4] [--with-perf-analyzer]
-Writes .bundle/part1, .bundle/part2, ... (each at most 60 MB; downloads are cached in .cache/gpu_bundle/).
+Writes .bundle/part1, .bundle/part2, ... (each at most 45 MB; downloads are cached in .cache/gpu_bundle/).
 Carry one part at a time to the GPU host and run, from the repository root there:
     bash scripts/gpu_setup.sh .bundle/partN        # idempotent, any order; then
     source /tmp/pergola-gpu/env.sh                   # PATH, PYTHONPATH, PERGOLA_TRITON_ROOT, PERGOLA_DEFAULT_MODEL
@@ -70,6 +70,7 @@ WHEELS = [
     ("uvloop==0.23.0", "site"),
     ("httptools==0.9.0", "site"),
     ("orjson==3.13.0", "site"),
+    ("python-multipart==0.0.34", "site"),  # POST /v1/files (the Batch API)
     ("anyio==4.16.0", "if:anyio>=4.7"),
     ("h11==0.16.0", "if:h11>=0.8"),
     ("idna==3.20", "if:idna>=2.8"),
@@ -101,6 +102,15 @@ WHEELS = [
     ("distro==1.9.0", "if:distro>=1.7"),
     ("certifi==2026.10.19.post1", "if:certifi"),
 ]
+# pyproject's runtime dependencies the bundle does not carry, and why (tests/test_bundle.py keeps
+# WHEELS, this and pyproject.toml in step): the GPU host's torch environment has the first group.
+NOT_CARRIED = {
+    "torch": "the GPU host's", "tokenizers": "the GPU host's",
+    "safetensors": "the GPU host's", "tqdm": "the GPU host's", "huggingface-hub": "the GPU host's",
+    "nvidia-pytriton": "its tritonserver is carried as triton.tar.xz",
+    "aiohttp": "`pergola batch` (the client command) is not run on the GPU host",
+    "pyarrow": "`pergola batch` (the client command) is not run on the GPU host",
+}
 FLASHINFER = "flashinfer-python==0.5.3"
 # FlashInfer JIT-compiles its kernels on first use (tens of seconds a module). When nvcc is
 # here, the bundle carries them prebuilt for Hopper instead: the modules pergola's flashinfer_fa2 /

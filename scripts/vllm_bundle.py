@@ -2,7 +2,7 @@
 """Build an offline bundle of vLLM 0.22.0 (the seeds' baseline) for the air-gapped GPU host.
 
 Usage (on a machine with PyPI access):  python3 scripts/vllm_bundle.py
-Writes .bundle/vllm_part1..3 (each at most 60 MB; downloads and the packed vLLM are cached in
+Writes .bundle/vllm_part1..N (each at most 45 MB; downloads and the packed vLLM are cached in
 .cache/vllm_bundle/: the first run takes about 12 minutes on 2 cores, almost all of it xz -9,
 later runs seconds). Carry one part at a time to the GPU host and run, from the repository root there:
     bash scripts/vllm_setup.sh .bundle/vllm_partN      # idempotent, any order; the last one installs
