@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
+# A requirement installed before the project, e.g. TORCH=torch==2.13.0 where the host keeps that
+# CPU build on disk (.ci/run): an unpinned `torch` resolves to a CUDA build of several GB.
+TORCH ?=
 
 .PHONY: setup serve lint test test-unit test-gpu soak test-container build-repo bundle docs clean
 
@@ -14,6 +17,7 @@ setup: $(VENV)/.pergola-installed
 $(VENV)/.pergola-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	touch $@
 
