@@ -94,9 +94,11 @@ async def hold(host: str, port: int, source: str, slow: bool, trickle_s: float, 
 
 
 def flood_process(host: str, port: int, source: str, idle: int, slow: int, trickle_s: float, nice: int,
-                  stop_at: Any, counts: Any, out: Any) -> None:
+                  cpus: set[int] | None, stop_at: Any, counts: Any, out: Any) -> None:
     raise_open_files()
     os.nice(nice)  # (an attacker's CPU is not the server's; on one host the flood can yield some of it)
+    if cpus:  # ...or, on a host with cores to spare, run apart from the server (--flood-cpus)
+        os.sched_setaffinity(0, cpus)
     try:
         import uvloop
         uvloop.install()
@@ -127,13 +129,13 @@ def flood_process(host: str, port: int, source: str, idle: int, slow: int, trick
 
 class Flood:
     def __init__(self, host: str, port: int, idle: int, slow: int, procs: int, trickle_s: float,
-                 nice: int) -> None:
+                 nice: int, cpus: set[int] | None = None) -> None:
         self.stop_at = mp.Value("b", 0)
         self.out: mp.Queue = mp.Queue()
         self.counts = [mp.Array("i", 2) for _ in range(procs)]
         self.procs = [mp.Process(target=flood_process, daemon=True,
                                  args=(host, port, f"127.0.0.{2 + k}", idle // procs + (k < idle % procs),
-                                       slow // procs + (k < slow % procs), trickle_s, nice, self.stop_at,
+                                       slow // procs + (k < slow % procs), trickle_s, nice, cpus, self.stop_at,
                                        self.counts[k], self.out))
                       for k in range(procs)]
         for p in self.procs:
@@ -290,6 +292,15 @@ def address(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def cpu_list(text: str) -> set[int]:
+    """'8-15' or '8,9,12-13' -> {8, ..., 15}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="a running gateway to flood, http://HOST:PORT")
@@ -301,6 +312,9 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="flood processes (each below its open-files limit)")
     p.add_argument("--flood-nice", type=int, default=10, help="the flood processes' niceness: on one host, how "
                                                                "much CPU the attacker takes from the server")
+    p.add_argument("--flood-cpus", type=cpu_list, default=None,
+                   help="run the flood processes on these CPUs only, e.g. 8-15 (start the benchmark under "
+                        "`taskset -c 0-7` so the servers keep the others)")
     p.add_argument("--trickle-s", type=float, default=1.0)
     p.add_argument("--seconds", type=float, default=30.0, help="each probe's length")
     p.add_argument("--ramp-s", type=float, default=20.0, help="flood time before the probe starts")
@@ -311,7 +325,8 @@ def main() -> None:
     res: dict[str, Any] = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
                            "open_files_hard_limit": hard, "idle": args.idle, "slowloris": args.slowloris,
-                           "procs": args.procs, "flood_nice": args.flood_nice, "trickle_s": args.trickle_s}
+                           "procs": args.procs, "flood_nice": args.flood_nice, "trickle_s": args.trickle_s,
+                           "flood_cpus": sorted(args.flood_cpus or []), "own_cpus": sorted(os.sched_getaffinity(0))}
     per_proc = (args.idle + args.slowloris) / args.procs
     if per_proc > hard - 100:
         raise SystemExit(f"{per_proc:.0f} connections a process is over the open-files limit {hard}: raise --procs")
@@ -328,7 +343,8 @@ def main() -> None:
         res["before"] = timed_probe(base, doors, args.seconds)
         print("before", json.dumps(res["before"]), flush=True)
         cpu_at_start, flood_started = gateway_process(base).get("process_cpu_seconds_total"), time.monotonic()
-        flood = Flood(host, port, args.idle, args.slowloris, args.procs, args.trickle_s, args.flood_nice)
+        flood = Flood(host, port, args.idle, args.slowloris, args.procs, args.trickle_s, args.flood_nice,
+                      args.flood_cpus)
         samples: list[dict[str, Any]] = []
         stop = threading.Event()
         sampler = threading.Thread(target=sample, args=(base, flood, stop, samples), daemon=True)
