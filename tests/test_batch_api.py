@@ -19,7 +19,7 @@ from pergola.gateway.options import GatewayOptions
 from test_gateway import KEY, Gateway, call, port_of, start_gateway
 from test_rerank import DOCS, QUERY, cross_encoder_reference
 
-MAX_LINES, MAX_FILE_BYTES = 400, 400_000  # the main gateway's limits (the 323-line file fits)
+MAX_LINES, MAX_FILE_BYTES = 400, 400_000  # the main gateway's limits (the 67-line file fits)
 DONE = ("completed", "failed", "cancelled", "expired")
 
 
@@ -84,32 +84,35 @@ def slow_gateway(server: RunningServer, data: Path, tmp: Path) -> Gateway:
 
 
 def test_sdk_batch_answers_as_sentence_transformers_and_cross_encoder(gateway, st_model, rerank_folders):
-    texts = corpus(300)
+    n, every = 60, 10  # embedding lines (both models), every tenth of three texts
+    texts = corpus(n)
     lines: list[dict | str] = []
     inputs: dict[str, list[str]] = {}
-    for i in range(300):
-        chosen = [texts[i]] + ([TEXTS[i % len(TEXTS)], texts[(i + 1) % 300]] if i % 25 == 0 else [])
+    for i in range(n):
+        chosen = [texts[i]] + ([TEXTS[i % len(TEXTS)], texts[(i + 1) % n]] if i % every == 0 else [])
         lines.append(embed_line(i, chosen, "minilm" if i % 2 else "embed"))
         inputs[f"emb-{i}"] = chosen
-    queries = {f"rr-{j}": f"{QUERY} ({['city', 'country', 'river', 'code'][j % 4]})" for j in range(20)}
+    queries = {f"rr-{j}": f"{QUERY} ({['city', 'river'][j % 2]})" for j in range(4)}  # (a CrossEncoder load each)
     for custom_id, query in queries.items():
         lines.append({"custom_id": custom_id, "method": "POST", "url": "/v1/rerank",
                       "body": {"model": "ce", "query": query, "documents": DOCS[:5]}})
-    lines[150:150] = ['{"custom_id": "torn", "method": "POST"',  # not JSON
-                      {"custom_id": "bad-body", "method": "POST", "url": "/v1/embeddings",
-                       "body": {"model": "minilm", "input": 5}},  # the route refuses it
-                      {"custom_id": "bad-url", "method": "POST", "url": "/v1/chat/completions", "body": {}}]
+    at = n // 2  # the three bad lines are lines at + 1 .. at + 3 of the file
+    lines[at:at] = ['{"custom_id": "torn", "method": "POST"',  # not JSON
+                    {"custom_id": "bad-body", "method": "POST", "url": "/v1/embeddings",
+                     "body": {"model": "minilm", "input": 5}},  # the route refuses it
+                    {"custom_id": "bad-url", "method": "POST", "url": "/v1/chat/completions", "body": {}}]
+    good = n + len(queries)
     client = sdk(gateway)
     created = submit(client, jsonl(lines))
     assert created.status == "validating" and created.metadata == {"suite": "test_batch_api"}
     batch = wait_for(client, created.id)
     assert batch.status == "completed", batch
-    print(f"323 lines answered in {batch.completed_at - batch.created_at} s")
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (323, 320, 3)
+    print(f"{len(lines)} lines answered in {batch.completed_at - batch.created_at} s")
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (good + 3, good, 3)
 
     out = records(client, batch.output_file_id)
     ids = [r["custom_id"] for r in out]
-    assert len(ids) == len(set(ids)) == 320 and set(ids) == set(inputs) | set(queries)
+    assert len(ids) == len(set(ids)) == good and set(ids) == set(inputs) | set(queries)
     assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in out)
     by_id = {r["custom_id"]: r["response"]["body"] for r in out}
     flat = [t for cid in inputs for t in inputs[cid]]
@@ -127,11 +130,11 @@ def test_sdk_batch_answers_as_sentence_transformers_and_cross_encoder(gateway, s
 
     errors = {r["custom_id"]: r for r in records(client, batch.error_file_id)}
     assert set(errors) == {None, "bad-body", "bad-url"}
-    assert errors[None]["error"]["code"] == "invalid_request" and "line 151" in errors[None]["error"]["message"]
-    assert errors["bad-url"]["error"]["message"].startswith("line 153")
+    assert errors[None]["error"]["code"] == "invalid_request" and f"line {at + 1}" in errors[None]["error"]["message"]
+    assert errors["bad-url"]["error"]["message"].startswith(f"line {at + 3}")
     refused = errors["bad-body"]["response"]
     assert 400 <= refused["status_code"] < 500 and refused["body"]["error"]["param"] == "input"
-    assert [e.line for e in batch.errors.data] == [151, 153]  # validation lists the lines that are not requests
+    assert [e.line for e in batch.errors.data] == [at + 1, at + 3]  # validation lists the lines that are not requests
     assert batch.id in {b.id for b in client.batches.list(limit=100)}
 
 
@@ -214,12 +217,13 @@ def test_cancel_stops_the_job_and_keeps_what_it_answered(server, tmp_path):
 
 
 def test_a_gateway_killed_mid_job_resumes_and_answers_each_line_once(server, tmp_path, st_model):
-    texts = corpus(1500)
+    n = 200  # ~50 sequential waves of ~4 lines on the slow gateway: killed after ~10 of them
+    texts = corpus(n)
     lines = [embed_line(i, [t]) for i, t in enumerate(texts)]
     first = slow_gateway(server, tmp_path / "data", tmp_path / "first")
     try:
         client = sdk(first)
-        batch = wait_for(client, submit(client, jsonl(lines)).id, until=lambda b: b.request_counts.completed >= 100)
+        batch = wait_for(client, submit(client, jsonl(lines)).id, until=lambda b: b.request_counts.completed >= 40)
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait(timeout=10)
     finally:
@@ -228,13 +232,13 @@ def test_a_gateway_killed_mid_job_resumes_and_answers_each_line_once(server, tmp
     try:
         client = sdk(second)
         resumed = client.batches.retrieve(batch.id)
-        assert resumed.status == "in_progress" and resumed.request_counts.completed < 1500  # killed mid-job
+        assert resumed.status == "in_progress" and resumed.request_counts.completed < n  # killed mid-job
         done = wait_for(client, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 1500, done
+        assert done.status == "completed" and done.request_counts.completed == n, done
         out = records(client, done.output_file_id)
         ids = [r["custom_id"] for r in out]
-        assert len(ids) == 1500 and set(ids) == {f"emb-{i}" for i in range(1500)}
-        sample = [out[k] for k in range(0, 1500, 97)]
+        assert len(ids) == n and set(ids) == {f"emb-{i}" for i in range(n)}
+        sample = [out[k] for k in range(0, n, 13)]
         got = np.array([r["response"]["body"]["data"][0]["embedding"] for r in sample], dtype=np.float32)
         want = st_model.encode([texts[int(r["custom_id"].split("-")[1])] for r in sample], convert_to_numpy=True)
         assert cosine_rows(got, want).min() >= MIN_COSINE
