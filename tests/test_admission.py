@@ -283,26 +283,32 @@ def test_a_client_that_stays_gets_its_answer():
 # A request timeout for the gateways whose requests must be taken: on a host shared with other work
 # one torch thread did ~500 tokens/s (2-core host, load 13), where 60 s would refuse 32k tokens (413).
 LOADED_HOST = ("--request-timeout-s", "600")
+# Whatever is queued behind the token ids is taken; a request's chunks are up to 64 texts.
+PATIENT = ("--queue-bound-s", "600", "--chunk-texts", "64", "--chunk-chars", "10000000", *LOADED_HOST)
+# A short queue bound and request timeout (one gateway: each start costs a measuring request).
+STRICT = ("--queue-bound-s", "1", "--request-timeout-s", "20")
 
 
-@pytest.fixture
-def gateway_with(busy_server, tmp_path):
+@pytest.fixture(scope="module")
+def gateway_with(busy_server, tmp_path_factory):
     """gateway_with(*args): a gateway in front of `busy_server` (inference over HTTP, bulk over gRPC),
-    measured: one bulk request answered, so that admission knows the throughput."""
+    measured: one bulk request answered, so that admission knows the throughput. Tests that pass
+    the same args share one (each start costs a measuring request: seconds of one core's work)."""
     from test_gateway import KEY, start_gateway
 
-    started = []
+    started: dict[tuple[str, ...], object] = {}
 
     def make(*args: str):
-        gw = start_gateway(tmp_path, f"127.0.0.1:{busy_server.grpc_port}", "--api-key", KEY, *args,
-                           http=busy_server.http_port)
-        started.append(gw)
-        status, body, _ = embed(gw, ids(20))  # 5,120 tokens: over admission.MIN_TOKENS
-        assert status == 200, body
-        return gw
+        if args not in started:
+            gw = start_gateway(tmp_path_factory.mktemp("admission"), f"127.0.0.1:{busy_server.grpc_port}",
+                               "--api-key", KEY, *args, http=busy_server.http_port)
+            started[args] = gw
+            status, body, _ = embed(gw, ids(17))  # 4,352 tokens: over admission.MIN_TOKENS
+            assert status == 200, body
+        return started[args]
 
     yield make
-    for gw in started:
+    for gw in started.values():
         gw.stop()
 
 
@@ -343,34 +349,34 @@ def embed(gw, inputs, **fields) -> tuple[int, object, dict]:
 
 
 def test_overload_is_refused_before_any_work_with_retry_after_from_the_backlog(busy_server, gateway_with):
-    """16,384 token ids accepted and in the encoder; then 32 texts of 200 words, over a 1 s queue
+    """4,096 token ids accepted and in the encoder; then 8 texts of 200 words, over a 1 s queue
     bound behind them: refused at once, told to come back when the backlog allows (not the old
     constant 1 s), and nothing of it tokenized or computed (the old gateway sent it through the
     tokenizer first, and the encoder refused it after)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    gw = gateway_with("--queue-bound-s", "1", *LOADED_HOST)
-    before, calls = settled(busy_server), tokenizer_calls(busy_server)
+    gw = gateway_with(*STRICT)
+    before, calls = settled(busy_server, quiet_s=1.5), tokenizer_calls(busy_server)
     with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(embed, gw, ids(64))
-        time.sleep(1.0)
+        held = pool.submit(embed, gw, ids(16))
+        time.sleep(0.3)
         t0 = time.monotonic()
-        status, body, headers = embed(gw, prose(32, 200))
+        status, body, headers = embed(gw, prose(8, 200))
         took = time.monotonic() - t0
         assert held.result()[0] == 200
     computed = settled(busy_server) - before
     print(f"refused in {took * 1e3:.0f} ms: {status} Retry-After {headers.get('retry-after')}: {body}; "
-          f"{computed:.0f} tokens computed (the accepted request's 16,384)")
+          f"{computed:.0f} tokens computed (the accepted request's 4,096)")
     assert status == 429 and int(headers["retry-after"]) >= 2
     assert tokenizer_calls(busy_server) == calls
-    assert computed == 64 * 256
+    assert computed == 16 * 256
 
 
 def test_a_request_that_can_never_fit_is_413_naming_the_option(busy_server, gateway_with):
     """1,024 texts of 200 words is ~262k tokens, over a minute of one core's work: over a 20 s
     request timeout even on an idle server, so it is refused at once with the option to change,
     before any tokenizing (the old gateway: 429 Retry-After 1, at every retry)."""
-    gw = gateway_with("--request-timeout-s", "20")
+    gw = gateway_with(*STRICT)
     calls = tokenizer_calls(busy_server)
     status, body, headers = embed(gw, prose(1024, 200))
     print(status, body)
@@ -380,16 +386,17 @@ def test_a_request_that_can_never_fit_is_413_naming_the_option(busy_server, gate
 
 
 def test_a_request_larger_than_the_queue_bound_is_answered_on_an_idle_server(busy_server, gateway_with):
-    """128 texts of 200 words (~33k tokens) is more than the encoder's 5 s queue bound on one core,
-    and well within the request timeout. Its chunks used to be sent at once, and the encoder
-    refused the later ones for the work of the earlier ones queued ahead of them: 429, at every
-    retry. Admitted by the gateway, they go a window at a time and the encoder takes them."""
-    gw = gateway_with(*LOADED_HOST)
+    """192 texts of 20 words (~9k tokens, three chunks of 64) is more than the encoder's 2 s queue
+    bound on one core, and well within the request timeout. Its chunks used to be sent at once,
+    and the encoder refused the later ones for the work of the earlier ones queued ahead of them:
+    429, at every retry. Admitted by the gateway, they go a window at a time and the encoder
+    takes them."""
+    gw = gateway_with(*PATIENT)
     t0 = time.monotonic()
-    status, body, _ = embed(gw, prose(128, 200, seed=3))
+    status, body, _ = embed(gw, prose(192, 20, seed=3))
     print(f"{status} in {time.monotonic() - t0:.1f} s")
     assert status == 200, body
-    assert len(body["data"]) == 128
+    assert len(body["data"]) == 192
 
 
 def post_and_leave(gw, body: dict, after_s: float) -> None:
@@ -404,65 +411,70 @@ def post_and_leave(gw, body: dict, after_s: float) -> None:
         time.sleep(after_s)
 
 
+def answered_499(gw) -> float:
+    """The gateway's count of /v1/embeddings requests whose client left (499)."""
+    page = urllib.request.urlopen(f"{gw.url}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(r'^pergola_gateway_requests_total\{route="/v1/embeddings",'
+                                            r'status="499"\} (\S+)$', page, re.M))
+
+
 def test_a_client_that_leaves_has_none_of_its_work_computed(busy_server, gateway_with):
-    """8,192 token ids in the encoder; behind them 40 texts of 200 words (more work: least work
+    """4,096 token ids in the encoder; behind them 40 texts of 200 words (more work: least work
     first runs the ids first), tokenized and queued, whose client then leaves. The gateway cancels
     its call (gRPC), the encoder drops it: the counter rises by the ids' tokens only. (Through
     the embed ensemble over HTTP, as before, all of it was computed.)"""
     from concurrent.futures import ThreadPoolExecutor
 
-    gw = gateway_with("--queue-bound-s", "600", "--chunk-texts", "256", "--chunk-chars", "10000000", *LOADED_HOST)
-    before = settled(busy_server)
+    gw = gateway_with(*PATIENT)
+    before, gone_before = settled(busy_server, quiet_s=1.5), answered_499(gw)
     with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(embed, gw, ids(32))
+        held = pool.submit(embed, gw, ids(16))
         time.sleep(0.3)
-        post_and_leave(gw, {"model": "embed", "input": prose(40, 200, seed=5)}, after_s=2.0)
+        post_and_leave(gw, {"model": "embed", "input": prose(40, 200, seed=5)}, after_s=1.0)
         assert held.result()[0] == 200
     computed = settled(busy_server) - before
-    page = urllib.request.urlopen(f"{gw.url}/metrics", timeout=10).read().decode()
-    gone = sum(float(v) for v in re.findall(r'^pergola_gateway_requests_total\{route="/v1/embeddings",'
-                                            r'status="499"\} (\S+)$', page, re.M))
-    print(f"{computed:.0f} tokens computed (the ids' 8,192); answers counted 499: {gone:.0f}")
-    assert computed == 32 * 256
+    gone = answered_499(gw) - gone_before
+    print(f"{computed:.0f} tokens computed (the ids' 4,096); answers counted 499: {gone:.0f}")
+    assert computed == 16 * 256
     assert gone == 1
 
 
 def test_a_failed_chunk_cancels_its_siblings(busy_server, gateway_with):
-    """A request of two chunks: 128 texts of 60 words (17k tokens, each under MiniLM's 256), then
+    """A request of two chunks: 64 texts of 60 words (8.5k tokens, each under MiniLM's 256), then
     one of 400 words with truncation off. The second is refused by the tokenizer (400); the
-    first, queued behind 8,192 token ids (less work: they go first), is cancelled and never
+    first, queued behind 4,096 token ids (less work: they go first), is cancelled and never
     computed (before, a request's other chunks ran to the end whatever happened to one)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    gw = gateway_with("--queue-bound-s", "600", "--chunk-texts", "128", *LOADED_HOST)
-    before = settled(busy_server)
+    gw = gateway_with(*PATIENT)
+    before = settled(busy_server, quiet_s=1.5)
     with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(embed, gw, ids(32))
+        held = pool.submit(embed, gw, ids(16))
         time.sleep(0.3)
-        status, body, _ = embed(gw, prose(128, 60, seed=7) + prose(1, 400, seed=8), truncate="NONE")
+        status, body, _ = embed(gw, prose(64, 60, seed=7) + prose(1, 400, seed=8), truncate="NONE")
         assert held.result()[0] == 200
     computed = settled(busy_server) - before
-    print(f"{status}: {body}; {computed:.0f} tokens computed (the ids' 8,192)")
-    assert status == 400 and "input[128]" in json.dumps(body)
-    assert computed == 32 * 256
+    print(f"{status}: {body}; {computed:.0f} tokens computed (the ids' 4,096)")
+    assert status == 400 and "input[64]" in json.dumps(body)
+    assert computed == 16 * 256
 
 
 def test_accepted_requests_meet_their_bound_under_a_flood(busy_server, gateway_with):
-    """16 clients sending 8 texts of 200 words (2,048 tokens) for 20 s, honouring Retry-After (at
+    """16 clients sending 8 texts of 200 words (2,048 tokens) for 8 s, honouring Retry-After (at
     most 2 s), against a queue bound of four such requests' work (measured first: one torch
     thread ran 500-7,500 tokens/s on the hosts seen): some are refused, none ends in 504 or
     another error, the accepted ones are answered within the bound (+ half of it: the measured
     throughput drifts on a shared host), and a refused request made no tokenizer call (one
     call per accepted request)."""
     texts = prose(8, 200, seed=11)
-    probe = gateway_with(*LOADED_HOST)
+    probe = gateway_with(*PATIENT)
     t0 = time.monotonic()
     assert embed(probe, texts)[0] == 200
     bound = max(2.0, 4 * (time.monotonic() - t0))
     gw = gateway_with("--queue-bound-s", f"{bound:.1f}", *LOADED_HOST)
     records: list[tuple[int, float]] = []
     calls = tokenizer_calls(busy_server)
-    stop = time.monotonic() + 20
+    stop = time.monotonic() + 8
 
     def client() -> None:
         while time.monotonic() < stop:
