@@ -349,7 +349,7 @@ def embed(gw, inputs, **fields) -> tuple[int, object, dict]:
 
 
 def test_overload_is_refused_before_any_work_with_retry_after_from_the_backlog(busy_server, gateway_with):
-    """4,096 token ids accepted and in the encoder; then 8 texts of 200 words, over a 1 s queue
+    """8,192 token ids accepted and in the encoder; then 8 texts of 200 words, over a 1 s queue
     bound behind them: refused at once, told to come back when the backlog allows (not the old
     constant 1 s), and nothing of it tokenized or computed (the old gateway sent it through the
     tokenizer first, and the encoder refused it after)."""
@@ -358,7 +358,7 @@ def test_overload_is_refused_before_any_work_with_retry_after_from_the_backlog(b
     gw = gateway_with(*STRICT)
     before, calls = settled(busy_server, quiet_s=1.5), tokenizer_calls(busy_server)
     with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(embed, gw, ids(16))
+        held = pool.submit(embed, gw, ids(32))  # (8,192: Retry-After >= 2 up to ~2,900 tokens/s)
         time.sleep(0.3)
         t0 = time.monotonic()
         status, body, headers = embed(gw, prose(8, 200))
@@ -366,10 +366,10 @@ def test_overload_is_refused_before_any_work_with_retry_after_from_the_backlog(b
         assert held.result()[0] == 200
     computed = settled(busy_server) - before
     print(f"refused in {took * 1e3:.0f} ms: {status} Retry-After {headers.get('retry-after')}: {body}; "
-          f"{computed:.0f} tokens computed (the accepted request's 4,096)")
+          f"{computed:.0f} tokens computed (the accepted request's 8,192)")
     assert status == 429 and int(headers["retry-after"]) >= 2
     assert tokenizer_calls(busy_server) == calls
-    assert computed == 16 * 256
+    assert computed == 32 * 256
 
 
 def test_a_request_that_can_never_fit_is_413_naming_the_option(busy_server, gateway_with):
