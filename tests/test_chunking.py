@@ -215,6 +215,14 @@ def document() -> str:
     return text
 
 
+@pytest.fixture(scope="module")
+def medium() -> str:
+    """Long enough for what the tests of routes, codes and batching check (11 windows of 128, cut
+    into several requests of 3 or 5 windows; 5 encoding windows of 254 for late), a third of
+    `document`'s work: the definitions are checked on `document`."""
+    return long_text(900, seed=2)
+
+
 def embeddings(gw, texts, pooling: str, **extra) -> dict:
     status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": texts, **extra,
                                                          "chunking": {"tokens": SIZE, "overlap": OVERLAP,
@@ -254,15 +262,15 @@ def test_mean_is_the_token_weighted_mean_of_the_windows(here, st_model, document
 
 
 @pytest.mark.parametrize("pooling", ["each", "mean", "late"])
-def test_a_texts_vectors_do_not_depend_on_the_other_inputs(here, document, pooling):
-    alone = vectors_of(embeddings(here, document, pooling))
-    among = embeddings(here, ["short first", document, long_text(400, seed=5)], pooling)
+def test_a_texts_vectors_do_not_depend_on_the_other_inputs(here, medium, pooling):
+    alone = vectors_of(embeddings(here, medium, pooling))
+    among = embeddings(here, ["short first", medium, long_text(400, seed=5)], pooling)
     np.testing.assert_allclose(vectors_of(among, 1), alone, rtol=0, atol=SAME_ATOL)
 
 
 @pytest.mark.parametrize("pooling", ["each", "mean", "late"])
-def test_cut_by_tritons_tokenizer_equals_cut_here(here, there, document, pooling):
-    texts = [long_text(500, seed=7), document]
+def test_cut_by_tritons_tokenizer_equals_cut_here(here, there, medium, pooling):
+    texts = [long_text(500, seed=7), medium]
     before, before_e = tokenized_inputs(here).get("gateway", 0), tokenized_inputs(there).get("triton", 0)
     mine, theirs = embeddings(here, texts, pooling), embeddings(there, texts, pooling)
     assert tokenized_inputs(here)["gateway"] == before + 2 and tokenized_inputs(there)["triton"] == before_e + 2
@@ -307,22 +315,22 @@ def test_late_over_windows_of_the_models_length(here, st_model, minilm_folder, d
     assert out["usage"]["prompt_tokens"] == n + (windows - 1) * OVERLAP + 2 * windows
 
 
-def test_dimensions_and_embedding_types_apply_to_chunks(here, document):
+def test_dimensions_and_embedding_types_apply_to_chunks(here, medium):
     """each and late: the encoder's codes per chunk; mean: the average in float32, then encoded."""
     for pooling in ("each", "mean", "late"):
-        floats = vectors_of(embeddings(here, document, pooling, dimensions=64))
+        floats = vectors_of(embeddings(here, medium, pooling, dimensions=64))
         floats /= np.linalg.norm(floats, axis=1, keepdims=True)
-        codes = embeddings(here, document, pooling, dimensions=64, embedding_type="int8", encoding_format="base64")
+        codes = embeddings(here, medium, pooling, dimensions=64, embedding_type="int8", encoding_format="base64")
         rows = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), np.int8) for d in codes["data"]])
         assert rows.shape == floats.shape
         np.testing.assert_allclose(rows, np.clip(np.rint(floats * 127), -127, 127), rtol=0, atol=1)
 
 
-def test_tei_embed_takes_chunking(here, document):
-    body = {"inputs": [document, "short"], "chunking": {"tokens": SIZE, "overlap": OVERLAP}}
+def test_tei_embed_takes_chunking(here, medium):
+    body = {"inputs": [medium, "short"], "chunking": {"tokens": SIZE, "overlap": OVERLAP}}
     status, items, headers = call(here, "POST", "/embed", body)
     assert status == 200, items
-    out = embeddings(here, [document, "short"], "each")
+    out = embeddings(here, [medium, "short"], "each")
     assert [(d["index"], d["chunk"], d["text_span"]) for d in items] == \
         [(d["index"], d["chunk"], d["text_span"]) for d in out["data"]]
     np.testing.assert_allclose([d["embedding"] for d in items], [d["embedding"] for d in out["data"]], rtol=0,

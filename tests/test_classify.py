@@ -5,6 +5,7 @@ classifier pooling) through the engine. One server for the module."""
 
 from __future__ import annotations
 
+import functools
 import json
 import urllib.error
 import urllib.request
@@ -37,12 +38,18 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "modernbert": make_classifier_folder(root / "modernbert", "modernbert", seed=5)}
 
 
-def reference_logits(folder: Path, texts: list[str], pairs: list[str] | None = None) -> np.ndarray:
-    """transformers' logits, one input at a time (no padding), truncated as its tokenizer does."""
+@functools.cache
+def transformers_classifier(folder: Path):
+    """(tokenizer, model) of a folder, loaded once for the module's many references."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(str(folder)), model
+
+
+def reference_logits(folder: Path, texts: list[str], pairs: list[str] | None = None) -> np.ndarray:
+    """transformers' logits, one input at a time (no padding), truncated as its tokenizer does."""
+    tok, model = transformers_classifier(folder)
     rows = []
     with torch.no_grad():
         for i, text in enumerate(texts):

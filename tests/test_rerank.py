@@ -7,6 +7,8 @@ official reference does (softmax over the "no"/"yes" logits at the last position
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -30,10 +32,25 @@ DOCS = [
 MAX_DIFF = 1e-4 if TEST_DEVICE == "cpu" else 1e-2
 
 
+@functools.cache
+def engine(folder, task: str | None) -> tuple[Engine, RerankTokenizer]:
+    """One engine and tokenizer per folder (the Qwen3 vocabulary takes ~1 s to load): batches and
+    single documents go through the same ones, as in a server."""
+    eng = Engine(EngineConfig(model_dir=str(folder), task=task))
+    return eng, RerankTokenizer(eng.spec)
+
+
+@functools.cache
+def cross_encoder(folder):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(str(folder), device="cpu")
+
+
 def engine_scores(folder, task: str | None, query: str, docs: list[str], raw: bool = False) -> np.ndarray:
     """What the server answers: sigmoid of the engine's logits, or the logits (`raw`)."""
-    eng = Engine(EngineConfig(model_dir=str(folder), task=task))
-    enc = RerankTokenizer(eng.spec).encode(query, docs)
+    eng, tok = engine(folder, task)
+    enc = tok.encode(query, docs)
     logits = eng.encode([EncodeRequest(enc.input_ids, enc.lengths, token_types=enc.token_type_ids)])[0]
     return activate(logits, "sigmoid", raw)[:, 0]
 
@@ -41,9 +58,7 @@ def engine_scores(folder, task: str | None, query: str, docs: list[str], raw: bo
 def cross_encoder_logits(folder, query: str, docs: list[str]) -> np.ndarray:
     """The classifier's logits in CrossEncoder, with the document-first truncation pergola uses
     (only_second)."""
-    from sentence_transformers import CrossEncoder
-
-    ce = CrossEncoder(str(folder), device="cpu")
+    ce = cross_encoder(folder)
     tok = ce.tokenizer
     feats = tok([query] * len(docs), docs, truncation="only_second", max_length=512, padding=True,
                 return_tensors="pt")
@@ -60,7 +75,7 @@ def qwen3_reranker_reference(folder, query: str, docs: list[str]) -> tuple[np.nd
     """(P(yes) as the official reference computes it, logit(yes) - logit(no))."""
     from transformers import AutoModelForCausalLM
 
-    tok = RerankTokenizer(Engine(EngineConfig(model_dir=str(folder), task="rerank")).spec, "qwen3-reranker")
+    tok = RerankTokenizer(engine(folder, "rerank")[0].spec, "qwen3-reranker")
     enc = tok.encode(query, docs)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     out, raw, start = [], [], 0
