@@ -683,17 +683,33 @@ def test_no_triton_is_503_with_retry_after(tmp_path):
     assert headers.get("retry-after") == "1"
 
 
-def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_path, minilm_folder, reference):
-    """What `pergola serve` does: the gateway starts first and clients ask while Triton loads.
-    Each failed connection attempt lengthens gRPC's reconnect backoff (its default grows to 120 s),
-    so without a cap the first answer could come long after Triton is ready."""
+@dataclass
+class LateReplica:
+    """A Triton replica started after its gateway, while a client already asks (what `pergola
+    serve` does), then left serving: when it was ready, the client's first answer, one full answer."""
+
+    proc: subprocess.Popen
+    gw: Gateway
+    log: Path
+    ready: float  # time.monotonic() when Triton said READY
+    first_ok: list[float]  # when the retrying client's first 200 came (empty: never)
+    status: int  # TEXTS through the gateway once Triton was ready
+    out: object
+
+
+@pytest.fixture(scope="module")
+def late_replica(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+    """Each failed connection attempt lengthens gRPC's reconnect backoff (its default grows to
+    120 s): the client asks for 8 s before Triton starts and all along while it loads, so without
+    a cap the first answer would come long after Triton is ready."""
     from pergola.triton.repo_builder import build_repository, entry_from_folder
     from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
-    opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
+    tmp = tmp_path_factory.mktemp("late")
+    opts = ServerOptions(repo=build_repository(tmp / "repo", [entry_from_folder(minilm_folder, "minilm")],
                                                gpu=TEST_DEVICE == "gpu"),
                          http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False, http=opts.http_port)
+    gw = start_gateway(tmp, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False, http=opts.http_port)
     first_ok: list[float] = []
     stop = threading.Event()
 
@@ -704,40 +720,40 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
             time.sleep(0.2)
 
     asker = threading.Thread(target=client)
+    log = tmp / "tritonserver.log"
     proc = None
     try:
         asker.start()
         time.sleep(8)  # failed attempts all along: the backoff has grown
-        proc = start(opts, log_path=tmp_path / "tritonserver.log")
+        proc = start(opts, log_path=log)
         wait_ready(opts.http_port, proc, timeout=240)
         ready = time.monotonic()
         asker.join(timeout=60)
         status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS}, key=None)
+        yield LateReplica(proc, gw, log, ready, first_ok, status, out)
     finally:
         stop.set()
         gw.stop()
-        if proc is not None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=60)
-    assert first_ok, "the gateway never answered once Triton was ready"
-    print(f"first answer {first_ok[0] - ready:.2f} s after Triton was ready")
-    assert first_ok[0] - ready <= 3.0
-    assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= MIN_COSINE
 
 
-def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folder):
+def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(late_replica, reference):
+    """What `pergola serve` does: the gateway starts first and clients ask while Triton loads."""
+    assert late_replica.first_ok, "the gateway never answered once Triton was ready"
+    print(f"first answer {late_replica.first_ok[0] - late_replica.ready:.2f} s after Triton was ready")
+    assert late_replica.first_ok[0] - late_replica.ready <= 3.0
+    rows = np.array([d["embedding"] for d in late_replica.out["data"]])
+    assert late_replica.status == 200 and cosine_rows(rows, reference).min() >= MIN_COSINE
+
+
+def test_tritonserver_stops_cleanly_under_gateway_traffic(late_replica):
     """tritonserver's shutdown waits until every HTTP connection to it has closed (30 s, then exit
     code 1) and serves the calls they carry meanwhile: the gateway's keep-alive connections to its
     HTTP port end after a few seconds (gateway/triton_http.py), so under steady traffic the server
     still stops with 0, and the gateway answers 503 (retry) once it has gone."""
-    from pergola.triton.repo_builder import build_repository, entry_from_folder
-    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
-
-    opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
-                                               gpu=TEST_DEVICE == "gpu"),
-                         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    proc = start(opts, log_path=tmp_path / "tritonserver.log")
-    gw = None
+    proc, gw = late_replica.proc, late_replica.gw
     statuses: list[int] = []
     stop = threading.Event()
 
@@ -748,24 +764,21 @@ def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folde
 
     asker = threading.Thread(target=traffic)
     try:
-        wait_ready(opts.http_port, proc, timeout=240)
-        gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", http=opts.http_port)
         asker.start()
-        time.sleep(2)
+        deadline = time.monotonic() + 30  # steady traffic: connections open and in use
+        while statuses.count(200) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.terminate()
         code = proc.wait(timeout=60)
         served = len(statuses)
-        time.sleep(1)
+        deadline = time.monotonic() + 30  # a few answers after the server has gone
+        while len(statuses) < served + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         stop.set()
         if asker.is_alive():
             asker.join(timeout=60)
-        if gw is not None:
-            gw.stop()
-        if proc.poll() is None:
-            proc.kill()
-    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
-    assert code == 0, log[-2000:]
+    assert code == 0, late_replica.log.read_text(errors="replace")[-2000:]
     assert 200 in statuses[:served] and statuses[-1] == 503, statuses[-20:]
 
 
@@ -821,6 +834,13 @@ def stub_processes(repo: Path) -> list[int]:
     return [int(pid) for pid in out.stdout.split()]
 
 
+def wait_for_answers(answers: list, count: int, timeout: float = 60) -> None:
+    """Until `answers` holds `count` entries (traffic threads append to it), or `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while len(answers) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server, tmp_path, reference):
     """...and the dead replica's stubs end with it: a stub left behind would keep its memory (a
     GPU's, on a GPU host) from the server that replaces it (pergola.triton.adapter.end_with_server)."""
@@ -840,10 +860,10 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
     try:
         for t in threads:
             t.start()
-        time.sleep(3)
+        wait_for_answers(answers, 6)  # both replicas at work (chunks of 2 texts go to each)
         proc.kill()  # one replica gone mid-traffic
         proc.wait()
-        time.sleep(4)
+        wait_for_answers(answers, len(answers) + 6)  # requests cut after it died, all on the survivor
     finally:
         stop.set()
         for t in threads:
@@ -863,27 +883,16 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
 
 # --- `pergola serve` runs the gateway -------------------------------------------------------------
 
-def test_pergola_serve_answers_the_openai_client(tmp_path, minilm_folder, reference):
-    """What `make serve` starts: the gateway on its port, the models found through the admin
-    token (the served names, not only `embed`), the key on every route but /health."""
+def test_pergola_serve_answers_the_openai_client(served_gateway, reference):
+    """What `make serve` starts (conftest's served_gateway): the gateway on its port, the models
+    found through the admin token (the served names, not only `embed`), the key on every route but
+    /health. (Its clean exit under SIGTERM: tests/test_hardening.py::test_shutdown_is_clean_and_quick.)"""
     import openai
-    from conftest import start_serve
 
-    served = start_serve(tmp_path, f"mini={minilm_folder}", "--api-key", KEY)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key=KEY, max_retries=0)
-        deadline = time.monotonic() + 60
-        while True:  # the gateway starts beside tritonserver: give it a moment after READY
-            try:
-                out = client.embeddings.create(model="mini", input=TEXTS)
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, served.log_tail()
-                time.sleep(0.5)
-        assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= MIN_COSINE
-        assert {"embed", "mini"} <= {m.id for m in client.models.list().data}
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key="wrong-key-0123456789",
-                          max_retries=0).embeddings.create(model="mini", input="x")
-    finally:
-        assert served.stop() == 0
+    client = openai.OpenAI(base_url=f"{served_gateway.url}/v1", api_key=served_gateway.key, max_retries=0)
+    out = client.embeddings.create(model="mini", input=TEXTS)
+    assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= MIN_COSINE
+    assert {"embed", "mini"} <= {m.id for m in client.models.list().data}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served_gateway.url}/v1", api_key="wrong-key-0123456789",
+                      max_retries=0).embeddings.create(model="mini", input="x")

@@ -175,7 +175,7 @@ def ready(served: ServeProcess) -> bool:
 
 
 def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
-    """Three kills of the encoder's stub in a row under steady traffic: each time the model is
+    """Two kills of the encoder's stub in a row under steady traffic: each time the model is
     loaded again on its own (the server is not restarted), it answers again within 15 s, and no
     answer is ever wrong (tests/test_fault_locality.py: the other models meanwhile)."""
     from pergola.triton.supervisor import stub_pids
@@ -199,7 +199,7 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
     thread.start()
     recoveries = []
     try:
-        for _ in range(3):
+        for _ in range(2):  # the second recovery shows it is every time, not only the first
             [stub] = stub_pids(served.repo)["mini_encoder"]
             killed_at = time.monotonic()
             os.kill(stub, signal.SIGKILL)
@@ -352,7 +352,10 @@ port = server.add_insecure_port("127.0.0.1:0")
 server.start()
 channel = grpc.insecure_channel(f"127.0.0.1:{{port}}")
 grpc.channel_ready_future(channel).result(timeout=10)
-codes = [popen_tied(["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait() for _ in range(300)]
+def start(_):
+    return popen_tied(["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()
+with futures.ThreadPoolExecutor(4) as pool:  # 4 at a time (with preexec_fn as many failed, 31 of 300)
+    codes = list(pool.map(start, range(300)))
 print(sum(c != 0 for c in codes), sorted(set(codes)))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
