@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import MAX_TEXT_CHARS, MIN_COSINE, TEST_DEVICE, TEXTS, RunningServer, cosine_rows, describe_processes
-from test_rerank import DOCS, QUERY, cross_encoder_logits, cross_encoder_reference
+from test_rerank import DOCS, QUERY, cross_encoder_logits
 
 KEY = "gateway-test-key-0123456789"
 MODELS = "minilm,ce,qr"  # the session server's ensembles (its index is closed to the gateway)
@@ -121,6 +121,20 @@ def direct(server: RunningServer):
 
     with PergolaClient(server.grpc_url, model="minilm") as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def ce_logits(rerank_folders) -> np.ndarray:
+    """The seeded cross-encoder's logits for (QUERY, each of DOCS) in CrossEncoder (loaded once)."""
+    return cross_encoder_logits(rerank_folders["cross-encoder"], QUERY, DOCS)
+
+
+def ce_reference(ce_logits: np.ndarray) -> np.ndarray:
+    """CrossEncoder.predict's scores: its default activation, sigmoid, of the logits
+    (test_rerank.cross_encoder_reference, without loading the model again)."""
+    import torch
+
+    return torch.sigmoid(torch.from_numpy(ce_logits)).numpy()
 
 
 def token_counts(st_model, texts: list[str]) -> list[int]:
@@ -404,9 +418,9 @@ def test_tei_truncation_direction_left_is_start(gateway):
     assert status == 422 and "truncation_direction" in out["error"]
 
 
-def test_raw_scores_are_the_logits(gateway, rerank_folders):
+def test_raw_scores_are_the_logits(gateway, ce_logits):
     """TEI's `raw_scores: true` and NIM's /v1/ranking answer the classifier's logits, best first."""
-    logits = cross_encoder_logits(rerank_folders["cross-encoder"], QUERY, DOCS)
+    logits = ce_logits
     order = np.argsort(-logits, kind="stable").tolist()
     atol = 1e-4 if TEST_DEVICE == "cpu" else 5e-2
     status, tei, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS,
@@ -441,8 +455,9 @@ def test_rerank_usage_counts_the_pairs_tokens(gateway, rerank_folders):
     assert status == 200 and int(headers["x-total-tokens"]) == sum(len(ids) for ids in pairs["input_ids"])
 
 
-def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction: str) -> np.ndarray:
-    """transformers on the official Qwen3-Reranker prompt with `instruction` (the model card's code)."""
+def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instructions: list[str]) -> list[np.ndarray]:
+    """transformers on the official Qwen3-Reranker prompt with each of `instructions` (the model
+    card's code; the model loaded once)."""
     import torch
     from pergola.text.rerank import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -452,14 +467,17 @@ def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction
     prefix = tok.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
     suffix = tok.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
-    scores = []
+    out = []
     with torch.no_grad():
-        for doc in docs:
-            body = tok(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", truncation=True,
-                       max_length=8192 - len(prefix) - len(suffix))["input_ids"]
-            logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
-            scores.append(torch.softmax(logits[[no, yes]], 0)[1].item())
-    return np.array(scores, dtype=np.float32)
+        for instruction in instructions:
+            scores = []
+            for doc in docs:
+                body = tok(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", truncation=True,
+                           max_length=8192 - len(prefix) - len(suffix))["input_ids"]
+                logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
+                scores.append(torch.softmax(logits[[no, yes]], 0)[1].item())
+            out.append(np.array(scores, dtype=np.float32))
+    return out
 
 
 def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway, rerank_folders):
@@ -476,10 +494,9 @@ def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway,
         status, out, _ = call(gateway, "POST", "/v1/rerank", body)
         assert status == 200, out
         got[given] = np.array([r["relevance_score"] for r in sorted(out["results"], key=lambda r: r["index"])])
-    np.testing.assert_allclose(got[None], qwen3_reranker_scores(folder, QUERY, docs, QWEN3_RERANKER_INSTRUCTION),
-                               atol=SCORE_ATOL)
-    np.testing.assert_allclose(got[instruction], qwen3_reranker_scores(folder, QUERY, docs, instruction),
-                               atol=SCORE_ATOL)
+    default, given = qwen3_reranker_scores(folder, QUERY, docs, [QWEN3_RERANKER_INSTRUCTION, instruction])
+    np.testing.assert_allclose(got[None], default, atol=SCORE_ATOL)
+    np.testing.assert_allclose(got[instruction], given, atol=SCORE_ATOL)
     assert np.abs(got[instruction] - got[None]).max() > 1e-3  # the instruction is part of the prompt
     status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": QUERY, "documents": docs,
                                                           "instruction": instruction})
@@ -561,14 +578,10 @@ def test_cli_embed_and_rerank_through_the_gateway(gateway, direct):
 
 # --- a result does not depend on how the request was cut ----------------------------------------
 
-def test_split_answers_equal_unsplit(gateway, server, tmp_path):
-    whole = start_gateway(tmp_path, server.grpc_url, "--api-key", KEY, "--chunk-texts", "1000")  # (over gRPC)
-    try:
-        texts = TEXTS * 3  # 36 texts: 12 chunks of 3 vs one request
-        _, cut, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
-        _, one, _ = call(whole, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
-    finally:
-        whole.stop()
+def test_split_answers_equal_unsplit(gateway, ensemble_gateway):
+    texts = TEXTS * 2  # 24 texts: 8 chunks of 3 vs one request (the default --chunk-texts, 32; over gRPC)
+    _, cut, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
+    _, one, _ = call(ensemble_gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
     a = np.array([d["embedding"] for d in cut["data"]])
     b = np.array([d["embedding"] for d in one["data"]])
     np.testing.assert_allclose(a, b, atol=SAME_ATOL)
@@ -577,8 +590,8 @@ def test_split_answers_equal_unsplit(gateway, server, tmp_path):
 
 # --- Cohere / Jina and TEI rerank -----------------------------------------------------------------
 
-def test_cohere_rerank_equals_cross_encoder_best_first(gateway, rerank_folders):
-    expected = cross_encoder_reference(rerank_folders["cross-encoder"], QUERY, DOCS)
+def test_cohere_rerank_equals_cross_encoder_best_first(gateway, ce_logits):
+    expected = ce_reference(ce_logits)
     docs = [d if i % 2 else {"text": d} for i, d in enumerate(DOCS)]  # strings and {text} objects
     for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
         status, out, _ = call(gateway, "POST", path, {"model": "ce", "query": QUERY, "documents": docs,
@@ -595,8 +608,8 @@ def test_cohere_rerank_equals_cross_encoder_best_first(gateway, rerank_folders):
     assert "document" not in top["results"][0]
 
 
-def test_tei_rerank_and_embed(gateway, rerank_folders, reference):
-    expected = cross_encoder_reference(rerank_folders["cross-encoder"], QUERY, DOCS)
+def test_tei_rerank_and_embed(gateway, ce_logits, reference):
+    expected = ce_reference(ce_logits)
     status, out, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS,
                                                        "return_text": True})
     assert status == 200, out
