@@ -212,9 +212,7 @@ def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 30  # steady traffic to both models before the kill
-        while sum(x.status == 200 for x in answers) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        time.sleep(2.0)
         victim = stub_pids(served.repo)[part][0]
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)

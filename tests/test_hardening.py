@@ -213,7 +213,7 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
             assert len(recoveries) == _ + 1, served.log_tail()
             assert stub_pids(served.repo)["mini_encoder"] != [stub]
             steady = time.monotonic() + 30  # steady service (a few correct answers) before the next kill
-            while sum(isinstance(a, np.ndarray) for t, a in answers if t > killed_at) < 4 and time.monotonic() < steady:
+            while sum(isinstance(a, np.ndarray) for t, a in answers if t > killed_at) < 6 and time.monotonic() < steady:
                 time.sleep(0.2)
     finally:
         stop.set()
