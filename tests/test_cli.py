@@ -21,16 +21,14 @@ def test_embed_command_prints_json(server, reference):
     assert cosine_rows(vectors, reference[[0, 2]]).min() >= 0.9999
 
 
-def test_serve_command_serves_embed(tmp_path, minilm_folder, reference):
+def test_serve_command_serves_embed(served_gateway, reference):
+    """`pergola serve` (conftest's served_gateway, as `make serve` runs it) serves `embed` on
+    Triton's HTTP port too."""
     from pergola_client import PergolaClient
 
-    served = start_serve(tmp_path, f"mini={minilm_folder}")
-    try:
-        with PergolaClient(f"127.0.0.1:{served.http}", protocol="http") as client:
-            out = client.embed(TEXTS[:2])
-        assert cosine_rows(out, reference[:2]).min() >= 0.9999
-    finally:
-        served.stop()
+    with PergolaClient(f"127.0.0.1:{served_gateway.served.http}", protocol="http") as client:
+        out = client.embed(TEXTS[:2])
+    assert cosine_rows(out, reference[:2]).min() >= 0.9999
 
 
 def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, reference):
@@ -45,12 +43,13 @@ def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, refer
     from conftest import derived_folder
     from pergola_client import PergolaClient
     from sentence_transformers import SentenceTransformer
+    from test_gateway import wait_for_answers
 
     v2 = derived_folder(minilm_folder, tmp_path / "v2", pooling={"pooling_mode_mean_tokens": False,
                                                                  "pooling_mode_cls_token": True})
     short = [TEXTS[0], TEXTS[2]]  # under --gateway-tokenize-chars: tokenized in the gateway
-    expected_v2 = SentenceTransformer(str(v2), device="cpu").encode(TEXTS[:2])
-    expected_v2_short = SentenceTransformer(str(v2), device="cpu").encode(short)
+    expected_v2 = SentenceTransformer(str(v2), device="cpu").encode([*TEXTS[:2], *short])
+    expected_v2, expected_v2_short = expected_v2[:2], expected_v2[2:]
     served = start_serve(tmp_path, f"mini={minilm_folder}")
     grpc = served.grpc
     results: list = []
@@ -76,10 +75,10 @@ def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, refer
     try:
         thread = threading.Thread(target=traffic)
         thread.start()
-        time.sleep(1.0)
+        wait_for_answers(results, 4)  # traffic through both doors before the swap
         subprocess.run([sys.executable, "-m", "pergola.cli", "add-version", "--repo", str(served.repo), "--name",
                         "mini", "--model", str(v2), "--url", f"http://127.0.0.1:{served.http}"], check=True, timeout=300)
-        time.sleep(1.0)
+        wait_for_answers(results, max(len(results) + 4, 12))  # and after it (over 10 in all)
         stop.set()
         thread.join(timeout=60)
         with PergolaClient(f"127.0.0.1:{grpc}") as client:
@@ -96,3 +95,4 @@ def test_version_swap_under_load_fails_no_request(tmp_path, minilm_folder, refer
                                          (after_gateway, expected_v2_short, reference[[0, 2]])):
         assert cosine_rows(answer, v2_answer).min() >= 0.9999  # version 2 after it
         assert cosine_rows(answer, v1_answer).min() < 0.99
+

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import MAX_TEXT_CHARS, MIN_COSINE, TEST_DEVICE, TEXTS, RunningServer, cosine_rows, describe_processes
-from test_rerank import DOCS, QUERY, cross_encoder_logits, cross_encoder_reference
+from test_rerank import DOCS, QUERY, cross_encoder_logits
 
 KEY = "gateway-test-key-0123456789"
 MODELS = "minilm,ce,qr"  # the session server's ensembles (its index is closed to the gateway)
@@ -121,6 +121,20 @@ def direct(server: RunningServer):
 
     with PergolaClient(server.grpc_url, model="minilm") as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def ce_logits(rerank_folders) -> np.ndarray:
+    """The seeded cross-encoder's logits for (QUERY, each of DOCS) in CrossEncoder (loaded once)."""
+    return cross_encoder_logits(rerank_folders["cross-encoder"], QUERY, DOCS)
+
+
+def ce_reference(ce_logits: np.ndarray) -> np.ndarray:
+    """CrossEncoder.predict's scores: its default activation, sigmoid, of the logits
+    (test_rerank.cross_encoder_reference, without loading the model again)."""
+    import torch
+
+    return torch.sigmoid(torch.from_numpy(ce_logits)).numpy()
 
 
 def token_counts(st_model, texts: list[str]) -> list[int]:
@@ -404,9 +418,9 @@ def test_tei_truncation_direction_left_is_start(gateway):
     assert status == 422 and "truncation_direction" in out["error"]
 
 
-def test_raw_scores_are_the_logits(gateway, rerank_folders):
+def test_raw_scores_are_the_logits(gateway, ce_logits):
     """TEI's `raw_scores: true` and NIM's /v1/ranking answer the classifier's logits, best first."""
-    logits = cross_encoder_logits(rerank_folders["cross-encoder"], QUERY, DOCS)
+    logits = ce_logits
     order = np.argsort(-logits, kind="stable").tolist()
     atol = 1e-4 if TEST_DEVICE == "cpu" else 5e-2
     status, tei, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS,
@@ -441,8 +455,9 @@ def test_rerank_usage_counts_the_pairs_tokens(gateway, rerank_folders):
     assert status == 200 and int(headers["x-total-tokens"]) == sum(len(ids) for ids in pairs["input_ids"])
 
 
-def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction: str) -> np.ndarray:
-    """transformers on the official Qwen3-Reranker prompt with `instruction` (the model card's code)."""
+def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instructions: list[str]) -> list[np.ndarray]:
+    """transformers on the official Qwen3-Reranker prompt with each of `instructions` (the model
+    card's code; the model loaded once)."""
     import torch
     from pergola.text.rerank import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -452,14 +467,17 @@ def qwen3_reranker_scores(folder: Path, query: str, docs: list[str], instruction
     prefix = tok.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
     suffix = tok.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
-    scores = []
+    out = []
     with torch.no_grad():
-        for doc in docs:
-            body = tok(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", truncation=True,
-                       max_length=8192 - len(prefix) - len(suffix))["input_ids"]
-            logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
-            scores.append(torch.softmax(logits[[no, yes]], 0)[1].item())
-    return np.array(scores, dtype=np.float32)
+        for instruction in instructions:
+            scores = []
+            for doc in docs:
+                body = tok(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", truncation=True,
+                           max_length=8192 - len(prefix) - len(suffix))["input_ids"]
+                logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
+                scores.append(torch.softmax(logits[[no, yes]], 0)[1].item())
+            out.append(np.array(scores, dtype=np.float32))
+    return out
 
 
 def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway, rerank_folders):
@@ -476,10 +494,9 @@ def test_qwen3_reranker_instruction_changes_scores_as_transformers_does(gateway,
         status, out, _ = call(gateway, "POST", "/v1/rerank", body)
         assert status == 200, out
         got[given] = np.array([r["relevance_score"] for r in sorted(out["results"], key=lambda r: r["index"])])
-    np.testing.assert_allclose(got[None], qwen3_reranker_scores(folder, QUERY, docs, QWEN3_RERANKER_INSTRUCTION),
-                               atol=SCORE_ATOL)
-    np.testing.assert_allclose(got[instruction], qwen3_reranker_scores(folder, QUERY, docs, instruction),
-                               atol=SCORE_ATOL)
+    default, given = qwen3_reranker_scores(folder, QUERY, docs, [QWEN3_RERANKER_INSTRUCTION, instruction])
+    np.testing.assert_allclose(got[None], default, atol=SCORE_ATOL)
+    np.testing.assert_allclose(got[instruction], given, atol=SCORE_ATOL)
     assert np.abs(got[instruction] - got[None]).max() > 1e-3  # the instruction is part of the prompt
     status, out, _ = call(gateway, "POST", "/v1/rerank", {"model": "ce", "query": QUERY, "documents": docs,
                                                           "instruction": instruction})
@@ -561,14 +578,10 @@ def test_cli_embed_and_rerank_through_the_gateway(gateway, direct):
 
 # --- a result does not depend on how the request was cut ----------------------------------------
 
-def test_split_answers_equal_unsplit(gateway, server, tmp_path):
-    whole = start_gateway(tmp_path, server.grpc_url, "--api-key", KEY, "--chunk-texts", "1000")  # (over gRPC)
-    try:
-        texts = TEXTS * 3  # 36 texts: 12 chunks of 3 vs one request
-        _, cut, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
-        _, one, _ = call(whole, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
-    finally:
-        whole.stop()
+def test_split_answers_equal_unsplit(gateway, ensemble_gateway):
+    texts = TEXTS * 2  # 24 texts: 8 chunks of 3 vs one request (the default --chunk-texts, 32; over gRPC)
+    _, cut, _ = call(gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
+    _, one, _ = call(ensemble_gateway, "POST", "/v1/embeddings", {"model": "minilm", "input": texts})
     a = np.array([d["embedding"] for d in cut["data"]])
     b = np.array([d["embedding"] for d in one["data"]])
     np.testing.assert_allclose(a, b, atol=SAME_ATOL)
@@ -577,8 +590,8 @@ def test_split_answers_equal_unsplit(gateway, server, tmp_path):
 
 # --- Cohere / Jina and TEI rerank -----------------------------------------------------------------
 
-def test_cohere_rerank_equals_cross_encoder_best_first(gateway, rerank_folders):
-    expected = cross_encoder_reference(rerank_folders["cross-encoder"], QUERY, DOCS)
+def test_cohere_rerank_equals_cross_encoder_best_first(gateway, ce_logits):
+    expected = ce_reference(ce_logits)
     docs = [d if i % 2 else {"text": d} for i, d in enumerate(DOCS)]  # strings and {text} objects
     for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
         status, out, _ = call(gateway, "POST", path, {"model": "ce", "query": QUERY, "documents": docs,
@@ -595,8 +608,8 @@ def test_cohere_rerank_equals_cross_encoder_best_first(gateway, rerank_folders):
     assert "document" not in top["results"][0]
 
 
-def test_tei_rerank_and_embed(gateway, rerank_folders, reference):
-    expected = cross_encoder_reference(rerank_folders["cross-encoder"], QUERY, DOCS)
+def test_tei_rerank_and_embed(gateway, ce_logits, reference):
+    expected = ce_reference(ce_logits)
     status, out, _ = call(gateway, "POST", "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS,
                                                        "return_text": True})
     assert status == 200, out
@@ -683,17 +696,33 @@ def test_no_triton_is_503_with_retry_after(tmp_path):
     assert headers.get("retry-after") == "1"
 
 
-def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_path, minilm_folder, reference):
-    """What `pergola serve` does: the gateway starts first and clients ask while Triton loads.
-    Each failed connection attempt lengthens gRPC's reconnect backoff (its default grows to 120 s),
-    so without a cap the first answer could come long after Triton is ready."""
+@dataclass
+class LateReplica:
+    """A Triton replica started after its gateway, while a client already asks (what `pergola
+    serve` does), then left serving: when it was ready, the client's first answer, one full answer."""
+
+    proc: subprocess.Popen
+    gw: Gateway
+    log: Path
+    ready: float  # time.monotonic() when Triton said READY
+    first_ok: list[float]  # when the retrying client's first 200 came (empty: never)
+    status: int  # TEXTS through the gateway once Triton was ready
+    out: object
+
+
+@pytest.fixture(scope="module")
+def late_replica(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
+    """Each failed connection attempt lengthens gRPC's reconnect backoff (its default grows to
+    120 s): the client asks for 8 s before Triton starts and all along while it loads, so without
+    a cap the first answer would come long after Triton is ready."""
     from pergola.triton.repo_builder import build_repository, entry_from_folder
     from pergola.triton.server import ServerOptions, free_port, start, wait_ready
 
-    opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
+    tmp = tmp_path_factory.mktemp("late")
+    opts = ServerOptions(repo=build_repository(tmp / "repo", [entry_from_folder(minilm_folder, "minilm")],
                                                gpu=TEST_DEVICE == "gpu"),
                          http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False, http=opts.http_port)
+    gw = start_gateway(tmp, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False, http=opts.http_port)
     first_ok: list[float] = []
     stop = threading.Event()
 
@@ -704,40 +733,40 @@ def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(tmp_pa
             time.sleep(0.2)
 
     asker = threading.Thread(target=client)
+    log = tmp / "tritonserver.log"
     proc = None
     try:
         asker.start()
         time.sleep(8)  # failed attempts all along: the backoff has grown
-        proc = start(opts, log_path=tmp_path / "tritonserver.log")
+        proc = start(opts, log_path=log)
         wait_ready(opts.http_port, proc, timeout=240)
         ready = time.monotonic()
         asker.join(timeout=60)
         status, out, _ = call(gw, "POST", "/v1/embeddings", {"model": "minilm", "input": TEXTS}, key=None)
+        yield LateReplica(proc, gw, log, ready, first_ok, status, out)
     finally:
         stop.set()
         gw.stop()
-        if proc is not None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=60)
-    assert first_ok, "the gateway never answered once Triton was ready"
-    print(f"first answer {first_ok[0] - ready:.2f} s after Triton was ready")
-    assert first_ok[0] - ready <= 3.0
-    assert status == 200 and cosine_rows(np.array([d["embedding"] for d in out["data"]]), reference).min() >= MIN_COSINE
 
 
-def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folder):
+def test_a_replica_that_comes_up_after_the_gateway_is_used_within_seconds(late_replica, reference):
+    """What `pergola serve` does: the gateway starts first and clients ask while Triton loads."""
+    assert late_replica.first_ok, "the gateway never answered once Triton was ready"
+    print(f"first answer {late_replica.first_ok[0] - late_replica.ready:.2f} s after Triton was ready")
+    assert late_replica.first_ok[0] - late_replica.ready <= 3.0
+    rows = np.array([d["embedding"] for d in late_replica.out["data"]])
+    assert late_replica.status == 200 and cosine_rows(rows, reference).min() >= MIN_COSINE
+
+
+def test_tritonserver_stops_cleanly_under_gateway_traffic(late_replica):
     """tritonserver's shutdown waits until every HTTP connection to it has closed (30 s, then exit
     code 1) and serves the calls they carry meanwhile: the gateway's keep-alive connections to its
     HTTP port end after a few seconds (gateway/triton_http.py), so under steady traffic the server
     still stops with 0, and the gateway answers 503 (retry) once it has gone."""
-    from pergola.triton.repo_builder import build_repository, entry_from_folder
-    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
-
-    opts = ServerOptions(repo=build_repository(tmp_path / "repo", [entry_from_folder(minilm_folder, "minilm")],
-                                               gpu=TEST_DEVICE == "gpu"),
-                         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    proc = start(opts, log_path=tmp_path / "tritonserver.log")
-    gw = None
+    proc, gw = late_replica.proc, late_replica.gw
     statuses: list[int] = []
     stop = threading.Event()
 
@@ -748,24 +777,21 @@ def test_tritonserver_stops_cleanly_under_gateway_traffic(tmp_path, minilm_folde
 
     asker = threading.Thread(target=traffic)
     try:
-        wait_ready(opts.http_port, proc, timeout=240)
-        gw = start_gateway(tmp_path, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", http=opts.http_port)
         asker.start()
-        time.sleep(2)
+        deadline = time.monotonic() + 30  # steady traffic: connections open and in use
+        while statuses.count(200) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.terminate()
         code = proc.wait(timeout=60)
         served = len(statuses)
-        time.sleep(1)
+        deadline = time.monotonic() + 30  # a few answers after the server has gone
+        while len(statuses) < served + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         stop.set()
         if asker.is_alive():
             asker.join(timeout=60)
-        if gw is not None:
-            gw.stop()
-        if proc.poll() is None:
-            proc.kill()
-    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
-    assert code == 0, log[-2000:]
+    assert code == 0, late_replica.log.read_text(errors="replace")[-2000:]
     assert 200 in statuses[:served] and statuses[-1] == 503, statuses[-20:]
 
 
@@ -821,6 +847,13 @@ def stub_processes(repo: Path) -> list[int]:
     return [int(pid) for pid in out.stdout.split()]
 
 
+def wait_for_answers(answers: list, count: int, timeout: float = 60) -> None:
+    """Until `answers` holds `count` entries (traffic threads append to it), or `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while len(answers) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server, tmp_path, reference):
     """...and the dead replica's stubs end with it: a stub left behind would keep its memory (a
     GPU's, on a GPU host) from the server that replaces it (pergola.triton.adapter.end_with_server)."""
@@ -840,10 +873,10 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
     try:
         for t in threads:
             t.start()
-        time.sleep(3)
+        wait_for_answers(answers, 3)  # both replicas at work (chunks of 2 texts go to each)
         proc.kill()  # one replica gone mid-traffic
         proc.wait()
-        time.sleep(4)
+        wait_for_answers(answers, len(answers) + 6)  # requests cut after it died, all on the survivor
     finally:
         stop.set()
         for t in threads:
@@ -863,27 +896,16 @@ def test_two_replicas_share_the_work_and_survive_one_dying(server, second_server
 
 # --- `pergola serve` runs the gateway -------------------------------------------------------------
 
-def test_pergola_serve_answers_the_openai_client(tmp_path, minilm_folder, reference):
-    """What `make serve` starts: the gateway on its port, the models found through the admin
-    token (the served names, not only `embed`), the key on every route but /health."""
+def test_pergola_serve_answers_the_openai_client(served_gateway, reference):
+    """What `make serve` starts (conftest's served_gateway): the gateway on its port, the models
+    found through the admin token (the served names, not only `embed`), the key on every route but
+    /health. (Its clean exit under SIGTERM: tests/test_hardening.py::test_shutdown_is_clean_and_quick.)"""
     import openai
-    from conftest import start_serve
 
-    served = start_serve(tmp_path, f"mini={minilm_folder}", "--api-key", KEY)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key=KEY, max_retries=0)
-        deadline = time.monotonic() + 60
-        while True:  # the gateway starts beside tritonserver: give it a moment after READY
-            try:
-                out = client.embeddings.create(model="mini", input=TEXTS)
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, served.log_tail()
-                time.sleep(0.5)
-        assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= MIN_COSINE
-        assert {"embed", "mini"} <= {m.id for m in client.models.list().data}
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"http://127.0.0.1:{served.gateway}/v1", api_key="wrong-key-0123456789",
-                          max_retries=0).embeddings.create(model="mini", input="x")
-    finally:
-        assert served.stop() == 0
+    client = openai.OpenAI(base_url=f"{served_gateway.url}/v1", api_key=served_gateway.key, max_retries=0)
+    out = client.embeddings.create(model="mini", input=TEXTS)
+    assert cosine_rows(np.array([d.embedding for d in out.data]), reference).min() >= MIN_COSINE
+    assert {"embed", "mini"} <= {m.id for m in client.models.list().data}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served_gateway.url}/v1", api_key="wrong-key-0123456789",
+                      max_retries=0).embeddings.create(model="mini", input="x")

@@ -91,7 +91,7 @@ def test_anonymous_model_upload_runs_no_code(served, tmp_path):
     marker = tmp_path / "ran"
     status, text = http_call(served, "POST", "/v2/repository/models/x/load", evil_load_body(marker))
     assert status >= 400 and "restricted" in text, (status, text)
-    time.sleep(2)
+    time.sleep(0.5)  # (a load runs initialize before it answers: test_the_admin_token_opens_the_repository_api)
     assert not marker.exists()
     assert "x" not in {row["name"] for row in json.loads(
         http_call(served, "POST", "/v2/repository/index", token=token_of(served))[1])}
@@ -119,7 +119,7 @@ def test_admin_grpc_apis_refuse_calls_without_the_token(served, tmp_path):
             with pytest.raises(InferenceServerException, match="restricted") as err:
                 call(headers)
             assert err.value, name
-    time.sleep(2)
+    time.sleep(0.5)  # (as above: a load that ran would have written the marker before it answered)
     assert not marker.exists()
     assert client.is_model_ready("embed") and client.is_server_ready()
     # The token opens the same doors: the repository index answers over gRPC too.
@@ -175,7 +175,7 @@ def ready(served: ServeProcess) -> bool:
 
 
 def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
-    """Three kills of the encoder's stub in a row under steady traffic: each time the model is
+    """Two kills of the encoder's stub in a row under steady traffic: each time the model is
     loaded again on its own (the server is not restarted), it answers again within 15 s, and no
     answer is ever wrong (tests/test_fault_locality.py: the other models meanwhile)."""
     from pergola.triton.supervisor import stub_pids
@@ -199,7 +199,7 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
     thread.start()
     recoveries = []
     try:
-        for _ in range(3):
+        for _ in range(2):  # the second recovery shows it is every time, not only the first
             [stub] = stub_pids(served.repo)["mini_encoder"]
             killed_at = time.monotonic()
             os.kill(stub, signal.SIGKILL)
@@ -213,7 +213,7 @@ def test_recovery_every_time_a_stub_dies_under_traffic(served, reference):
             assert len(recoveries) == _ + 1, served.log_tail()
             assert stub_pids(served.repo)["mini_encoder"] != [stub]
             steady = time.monotonic() + 30  # steady service (a few correct answers) before the next kill
-            while sum(isinstance(a, np.ndarray) for t, a in answers if t > killed_at) < 4 and time.monotonic() < steady:
+            while sum(isinstance(a, np.ndarray) for t, a in answers if t > killed_at) < 6 and time.monotonic() < steady:
                 time.sleep(0.2)
     finally:
         stop.set()
@@ -352,7 +352,10 @@ port = server.add_insecure_port("127.0.0.1:0")
 server.start()
 channel = grpc.insecure_channel(f"127.0.0.1:{{port}}")
 grpc.channel_ready_future(channel).result(timeout=10)
-codes = [popen_tied(["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait() for _ in range(300)]
+def start(_):
+    return popen_tied(["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()
+with futures.ThreadPoolExecutor(4) as pool:  # 4 at a time (with preexec_fn as many failed, 31 of 300)
+    codes = list(pool.map(start, range(300)))
 print(sum(c != 0 for c in codes), sorted(set(codes)))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
