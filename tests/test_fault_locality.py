@@ -188,6 +188,15 @@ def health(served: ServeProcess, model: str) -> int:
         return 0
 
 
+def restored(served: ServeProcess, part: str, stubs: list[int], victim: int) -> bool:
+    """`part` has its stubs again, the killed one replaced, and the gateway calls model a healthy:
+    its reload is over (a surviving copy may answer while it runs, and 503s may follow)."""
+    from pergola.triton.supervisor import stub_pids
+
+    now = stub_pids(served.repo).get(part, [])
+    return victim not in now and len(now) >= len(stubs) and health(served, "a") == 200
+
+
 def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
     """SIGKILL one stub of `part` while a and b are queried; -> (answers, kill time, health seen)."""
     from pergola.triton.supervisor import stub_pids
@@ -213,15 +222,18 @@ def kill_under_traffic(served: ServeProcess, part: str, watch_s: float = 60.0):
         t.start()
     try:
         time.sleep(2.0)
-        victim = stub_pids(served.repo)[part][0]
+        stubs = stub_pids(served.repo)[part]
+        victim = stubs[0]
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        deadline = killed_at + watch_s
-        while time.monotonic() < deadline:  # until a has answered for a while after the kill
+        deadline, recovered_at = killed_at + watch_s, None
+        while time.monotonic() < deadline:  # until a has answered for a while after it is whole again
+            if recovered_at is None and restored(served, part, stubs, victim):
+                recovered_at = time.monotonic()
             recent = [x for x in answers if x.model == "a" and x.sent > killed_at]
             bad = [x for x in recent if x.status != 200]
-            last_bad = max((x.sent for x in bad), default=killed_at)
-            if bad and sum(x.status == 200 and x.sent > last_bad for x in recent) >= 5:
+            since = max([x.sent for x in bad] + [recovered_at or deadline])
+            if bad and sum(x.status == 200 and x.sent > since for x in recent) >= 5:
                 break
             time.sleep(0.2)
     finally:
