@@ -226,6 +226,7 @@ def test_a_failed_capture_leaves_its_bucket_eager(monkeypatch, caplog):
 
     monkeypatch.setattr(graphs, "capture", failing_capture)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)  # (needs a GPU; the capture is the fake above)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)  # (a CPU-only torch has none)
     cache = GraphCache(lambda s, t: calls.append((s, t)), MAX_TOKENS, MAX_SEQS)
     key = cache.key_for(3, 100)
     with caplog.at_level("WARNING", logger="pergola.graphs"):

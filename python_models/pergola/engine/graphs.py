@@ -64,7 +64,7 @@ class GraphCache:
         self.forward = forward  # forward(num_seqs_bucket, num_tokens_bucket): reads/writes static buffers
         self.tokens = token_buckets(max_graph_tokens)
         self.seqs = seq_buckets(max_seqs)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # the memory pool every bucket's graph shares, made at the first capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.seen: set[tuple[int, int]] = set()
         self.uncapturable: set[tuple[int, int]] = set()  # keys whose capture failed: eager from then on
@@ -94,8 +94,10 @@ class GraphCache:
             self.forward(*key)
             self.stats.eager_warmups += 1
             return "warmup"
-        graph = torch.cuda.CUDAGraph()
         try:
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:  # (here, not at start: a CPU-only torch has no CUDA graph classes)
+                self.pool = torch.cuda.graph_pool_handle()
             capture(graph, lambda: self.forward(*key), self.pool)
         except Exception as e:  # noqa: BLE001 - computed eagerly instead; a poisoned device fails there
             self.uncapturable.add(key)
