@@ -56,7 +56,6 @@ class Gateway:
 
     def __init__(self, port: int, timeout: float = 120.0) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.busy_answers = 0  # 429/503 answers retried by `post`
 
     def _send(self, body: bytes) -> tuple[http.client.HTTPResponse, dict]:
         for attempt in range(2):  # uvicorn closes keep-alive connections idle for 5 s: reconnect once
@@ -85,7 +84,6 @@ class Gateway:
             response, out = self._send(body)
             if response.status not in (429, 503):
                 break
-            self.busy_answers += 1
             time.sleep(float(response.getheader("Retry-After") or 1))
         if response.status != 200:
             raise RuntimeError(f"gateway answered {response.status}: {out}")

@@ -15,6 +15,7 @@ the same processes. Every query's (time, latency, kind) is kept for the plot.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,6 @@ def _bulk_worker(make_sender: Callable, endpoint: tuple, batches: list, started:
 
 def _collect(q: Any, procs: list, timeout_s: float = 600) -> list:
     """Each bulk process's rows; a process that died (its sender raised) ends the run with its exit code."""
-    import queue
-
     out, end = [], time.time() + timeout_s
     while len(out) < len(procs):
         try:
