@@ -35,10 +35,13 @@ KINDS = [  # (kind, substrings of kernel names), first match wins (FlashInfer's 
     ("attention", ("flash", "Prefill", "fmha", "attention", "Attention", "Attn")),
     # _linear_tma_kernel: large-M gate_up with SiLU*mul in its epilogue (no separate "act" kernel)
     ("matmul", ("nvjet", "gemm", "_linear_kernel", "_linear_tma_kernel", "splitKreduce", "cutlass", "sm90_xmma")),
-    ("norm", ("rms_norm",)),
+    ("norm", ("rms_norm", "layer_norm")),
     ("rope", ("rope",)),
-    ("act", ("silu",)),
+    ("act", ("silu", "act_and_mul", "gelu", "GeluCUDAKernel")),
 ]
+
+
+TOP_KERNELS = 8  # the kernels (by name) that take the most time, per shape
 
 
 def kind_of(name: str) -> str:
@@ -91,13 +94,17 @@ def trace_calls(engine: Engine, seqs: list[np.ndarray], calls: int) -> dict:
         torch.cuda.synchronize()
     gpu = device_events(prof)
     by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for e in gpu:
         k = kind_of(e["name"]) if e["cat"] == "kernel" else "copy"
         by_kind[k] = by_kind.get(k, 0.0) + e["dur"]
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {"busy_us": union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / calls,
             "step_gaps_us": step_gaps_us(gpu) / calls,
             "kernels_us": {k: v / calls for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "kernel_count": sum(e["cat"] == "kernel" for e in gpu) / calls}
+            "kernel_count": sum(e["cat"] == "kernel" for e in gpu) / calls,
+            "top_kernels_us": {name[:120]: us / calls for name, us in top}}
 
 
 def wall_us(engine: Engine, seqs: list[np.ndarray], calls: int, rounds: int = 3) -> float:
@@ -129,6 +136,12 @@ def main() -> None:
         load_s = time.perf_counter() - t0
         print(f"[{label}] {overrides}: engine ready in {load_s:.2f} s ({engine.runner.startup})", flush=True)
         results[label] = {"overrides": overrides, "load_s": load_s, "startup": engine.runner.startup, "shapes": {}}
+        probe = engine.runner.probe
+        if probe is not None:  # what the start-up probe measured (µs per layer call) and chose
+            results[label]["probe"] = {"micros": probe.micros, "graph_rules": probe.graph_rules, "eager": probe.eager}
+            print(f"[{label}] attention probe: graphs {probe.graph_rules}, eager {probe.eager}; "
+                  + "; ".join(f"{b}: " + ", ".join(f"{k} {v:.0f}" for k, v in m.items())
+                              for b, m in probe.micros.items()), flush=True)
         for shape in args.shapes:
             n, length = map(int, shape.split("x"))
             seqs = windows.ids(length, n, seed=1)
@@ -144,6 +157,8 @@ def main() -> None:
                   f" ({row['idle_us'] / wall:.0%}); under the profiler {traced['step_gaps_us']:.0f} between kernels"
                   f" inside steps (CUPTI widens these gaps: an upper bound);"
                   f" {traced['kernel_count']:.0f} kernels: {kinds}", flush=True)
+            for name, us in traced["top_kernels_us"].items():
+                print(f"    {us:9.0f} µs  {name}", flush=True)
         del engine
         torch.cuda.empty_cache()
     if args.out:

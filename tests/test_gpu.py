@@ -233,6 +233,34 @@ def test_fused_kernels_match_references():
                                rtol=2e-2)
 
 
+@pytest.mark.parametrize("heads,kv,d", [(12, 12, 64), (16, 8, 128), (8, 1, 256)])  # ModernBERT, Qwen2, Gemma3
+def test_rope_and_glu_kernels_match_references(heads, kv, d):
+    """RoPE without a norm (in place on views of the qkv product), every GLU activation, LayerNorm."""
+    from pergola.layers import fused
+
+    torch.manual_seed(0)
+    t, inter = 300, 1152
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(t, (heads + 2 * kv) * d, **bf)
+    angles = torch.arange(8192, device="cuda")[:, None] * (1e-4 ** (torch.arange(0, d, 2, device="cuda") / d))
+    cos, sin, pos = angles.cos(), angles.sin(), torch.randint(0, 8192, (t,), device="cuda")
+    q, k, v = fused.split_qkv(qkv.clone(), heads, kv, d)
+    want_q, want_k = fused.rope_ref(q, cos, sin, pos), fused.rope_ref(k, cos, sin, pos)
+    v_before = v.clone()
+    got_q, got_k = fused.rope_qk(q, k, cos, sin, pos)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    torch.testing.assert_close(got_q, want_q, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got_k, want_k, atol=3e-2, rtol=3e-2)
+    assert torch.equal(v, v_before)  # v untouched
+    g = torch.randn(t, 2 * inter, **bf) * 3
+    for act in fused.ACTIVATIONS:
+        torch.testing.assert_close(fused.act_and_mul(g, act), fused.act_and_mul_ref(g, act), atol=3e-2, rtol=3e-2)
+    x, w, b, pre = (torch.randn(t, 768, **bf) * 3, torch.rand(768, **bf) + 0.5, torch.randn(768, **bf),
+                    torch.randn(768, **bf))  # the post-norm layers' LayerNorm(x + the matmul's bias)
+    torch.testing.assert_close(fused.layer_norm(x, w, b, 1e-12, pre), fused.layer_norm_ref(x, w, b, 1e-12, pre),
+                               atol=3e-2, rtol=3e-2)
+
+
 # --- Triton matmul tiles against cuBLAS -------------------------------------------------------
 @pytest.mark.parametrize("m", [1, 77, 128, 300, 2048])
 def test_triton_linear_matches_cublas(m):

@@ -146,6 +146,29 @@ for m in (1, 45):
     for a, b, c in zip(got, ref, twin):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-4)
+# RoPE without norms, in place on views of a qkv product with a row stride (12 q heads: a masked block)
+from pergola.layers.fused import ACTIVATIONS, act_and_mul_ref, launch_act_and_mul, launch_rope_qk, rope_ref, split_qkv
+for heads, kv, d in ((12, 12, 64), (4, 2, 32)):
+    qkv = torch.randn(9, (heads + 2 * kv) * d)
+    q, k, v = split_qkv(qkv, heads, kv, d)
+    angles = torch.arange(64)[:, None] * (1e-4 ** (torch.arange(0, d, 2) / d))
+    cos, sin, pos = angles.cos(), angles.sin(), torch.randint(0, 64, (9,))
+    want_q, want_k, want_v = rope_ref(q, cos, sin, pos), rope_ref(k, cos, sin, pos), v.clone()
+    got_q, got_k = launch_rope_qk(q, k, cos, sin, pos)
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, :heads * d].view(9, heads, d), want_q)  # in place
+    assert torch.equal(v, want_v)
+# the GLU with every activation (1,500 columns: two column blocks, the second masked)
+g = torch.randn(5, 3000) * 3
+for act in ACTIVATIONS:
+    torch.testing.assert_close(launch_act_and_mul(g, act), act_and_mul_ref(g, act), atol=1e-5, rtol=1e-5)
+# LayerNorm with a matmul's bias still to add (a row of 96 in a 128-wide masked block), with and without bias
+from pergola.layers.fused import launch_layer_norm, layer_norm_ref
+x, w, b, pre = torch.randn(7, 96) * 3 + 1, torch.rand(96) + 0.5, torch.randn(96), torch.randn(96)
+for bias, pre_bias in ((b, pre), (None, None), (b, None)):
+    torch.testing.assert_close(launch_layer_norm(x, w, bias, 1e-12, pre_bias), layer_norm_ref(x, w, bias, 1e-12, pre_bias),
+                               atol=1e-5, rtol=1e-5)
 print("ok")
 """
 

@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for decoder-style models (Triton on CUDA, PyTorch elsewhere).
+"""Fused elementwise kernels (Triton on CUDA, PyTorch elsewhere).
 
 Why: a Qwen3 layer written with plain PyTorch ops launches ~50 kernels (RMSNorm alone is ~7:
 cast, square, mean, rsqrt, scale, cast, weight), so a 28-layer forward of 128 tokens is ~1,500
@@ -6,7 +6,9 @@ tiny kernels, which at small batches take far more GPU time than the matmuls, ev
 Large batches pay too, since every unfused op re-reads [T, hidden] from memory. Fused, a layer
 is ~9 kernels: RMSNorm, qkv matmul, q/k-norm+RoPE, attention, o matmul (+ residual), RMSNorm,
 gate_up matmul, SiLU*mul (inside gate_up where measured faster), down matmul (+ residual). The
-residual adds live in the matmuls' epilogues (pergola.layers.linear), not here.
+residual adds live in the matmuls' epilogues (pergola.layers.linear), not here. Encoders with RoPE
+and a GLU (ModernBERT) take the same path: RoPE on q and k is one in-place kernel instead of ~18
+(gathers, casts, halves, products, cat) and GELU * gate one instead of three.
 
 Numerics follow Hugging Face: statistics in fp32, results rounded to the model dtype.
 
@@ -19,7 +21,9 @@ batch-1 forward's 288 kernels go (pergola.models.qwen3.Qwen3Model.fold_norms).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +58,18 @@ class PendingNorm:
         return (y.float() * self.inv_rms()).to(y.dtype)
 
 
+# The activations of Hugging Face configs (`hidden_act`, `hidden_activation`) that pergola serves,
+# and each one's code in the GLU kernel (_activate).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,  # exact (erf)
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
+
+
 # --- reference implementations (CPU, and the tests' ground truth) ------------------------------
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     x32 = x.float()
@@ -69,22 +85,37 @@ def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.
     if pending is not None:
         qkv = pending.apply_ref(qkv)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    c, s = cos[positions].unsqueeze(1).to(qkv.dtype), sin[positions].unsqueeze(1).to(qkv.dtype)
-
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-    q = rope(rms_norm_ref(q.reshape(t, num_heads, head_dim), q_weight, eps))
-    k = rope(rms_norm_ref(k.reshape(t, num_kv_heads, head_dim), k_weight, eps))
+    q = rope_ref(rms_norm_ref(q.reshape(t, num_heads, head_dim), q_weight, eps), cos, sin, positions)
+    k = rope_ref(rms_norm_ref(k.reshape(t, num_kv_heads, head_dim), k_weight, eps), cos, sin, positions)
     return q, k, v.reshape(t, num_kv_heads, head_dim)
 
 
-def silu_and_mul_ref(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE (half-split) on x [T, H, D] as HF computes it: the fp32 tables cast to x's dtype,
+    x * cos + rotate_half(x) * sin; cos/sin [P, D/2], positions [T]."""
+    c, s = cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                   pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + pre_bias) over the last dimension (pre_bias: a matmul's bias not yet added)."""
+    if pre_bias is not None:
+        x = x + pre_bias
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def act_and_mul_ref(x: torch.Tensor, act: str = "silu", pending: PendingNorm | None = None) -> torch.Tensor:
+    """[T, 2I] (a | b) -> act(a) * b [T, I], each result rounded to x's dtype as HF's GLUs do."""
     if pending is not None:
         x = pending.apply_ref(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    a, b = x.chunk(2, dim=-1)
+    return ACTIVATIONS[act](a) * b
+
+
+def silu_and_mul_ref(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
+    return act_and_mul_ref(x, "silu", pending)
 
 
 if HAVE_TRITON:
@@ -111,6 +142,24 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _layer_norm_kernel(x_ptr, pre_ptr, w_ptr, b_ptr, out_ptr, n_cols, eps, HAS_PRE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row [n_cols]: LayerNorm(x + pre) with fp32 statistics, one rounding at the end.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            x += tl.load(pre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / n_cols
+        xc = tl.where(mask, x - mean, 0.0)
+        inv = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+        y = xc * inv * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _norm_rope_heads(base, w_ptr, c, s, eps, pre, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PENDING: tl.constexpr):
         # RMSNorm over each of NUM heads [NUM, D] at `base`, then RoPE (half-split), in place.
@@ -132,8 +181,60 @@ if HAVE_TRITON:
         w2 = tl.load(w_ptr + half + cols).to(tl.float32)[None, :]
         y1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         y2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(base + offs, (y1 * c - y2 * s).to(dt), mask=m)
-        tl.store(base + half + offs, (y2 * c + y1 * s).to(dt), mask=m)
+        _rotate_store(base, offs, m, y1, y2, c, s, half)
+
+    @triton.jit
+    def _rotate_store(base, offs, m, x1, x2, c, s, half: tl.constexpr):
+        # RoPE of heads split in halves x1 | x2 [heads, D/2] (fp32), stored at base + offs (| + half).
+        dt = base.dtype.element_ty
+        tl.store(base + offs, (x1 * c - x2 * s).to(dt), mask=m)
+        tl.store(base + half + offs, (x2 * c + x1 * s).to(dt), mask=m)
+
+    @triton.jit
+    def _rope_heads(base, c, s, NUM: tl.constexpr, HP: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # RoPE on NUM heads [NUM, D] at `base`, in place.
+        half: tl.constexpr = HEAD_DIM // 2
+        heads = tl.arange(0, HP)
+        cols = tl.arange(0, half)
+        offs = heads[:, None] * HEAD_DIM + cols[None, :]
+        m = (heads < NUM)[:, None]
+        x1 = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + half + offs, mask=m, other=0.0).to(tl.float32)
+        _rotate_store(base, offs, m, x1, x2, c, s, half)
+
+    @triton.jit
+    def _rope_row(cos_ptr, sin_ptr, pos_ptr, token, x_ptr, HEAD_DIM: tl.constexpr):
+        # cos, sin [1, D/2] of `token`'s position: the fp32 tables rounded to x's dtype (as HF).
+        dt = x_ptr.dtype.element_ty
+        half: tl.constexpr = HEAD_DIM // 2
+        cols = tl.arange(0, half)
+        pos = tl.load(pos_ptr + token)
+        c = tl.load(cos_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
+        return c, s
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, q_stride, k_stride, cos_ptr, sin_ptr, pos_ptr, NUM_Q: tl.constexpr,
+                     NUM_K: tl.constexpr, HP_Q: tl.constexpr, HP_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # One program per token, all its q and k heads (as _qk_norm_rope_kernel, without the norms).
+        token = tl.program_id(0).to(tl.int64)
+        c, s = _rope_row(cos_ptr, sin_ptr, pos_ptr, token, q_ptr, HEAD_DIM)
+        _rope_heads(q_ptr + token * q_stride, c, s, NUM_Q, HP_Q, HEAD_DIM)
+        _rope_heads(k_ptr + token * k_stride, c, s, NUM_K, HP_K, HEAD_DIM)
+
+    @triton.jit
+    def _activate(x, ACT: tl.constexpr):
+        # fp32 -> fp32, codes as ACT_CODES: SiLU, GELU (erf), GELU (tanh), ReLU.
+        if ACT == 0:
+            y = x / (1.0 + tl.exp(-x))
+        elif ACT == 1:
+            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        elif ACT == 2:  # tanh(u) = 1 - 2 / (1 + e^2u), saturating to +-1 at either end
+            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            y = 0.5 * x * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+        else:
+            y = tl.maximum(x, 0.0)
+        return y
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, row_stride, eps,
@@ -148,12 +249,8 @@ if HAVE_TRITON:
         pre = 1.0
         if PENDING:
             pre = _inv_rms(x_ptr + token * x_cols, x_cols, x_eps, X_BLOCK)
-        half: tl.constexpr = HEAD_DIM // 2
-        cols = tl.arange(0, half)
-        pos = tl.load(pos_ptr + token)
         dt = qkv_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + pos * half + cols).to(dt).to(tl.float32)[None, :]
+        c, s = _rope_row(cos_ptr, sin_ptr, pos_ptr, token, qkv_ptr, HEAD_DIM)
         row = qkv_ptr + token * row_stride
         _norm_rope_heads(row, qw_ptr, c, s, eps, pre, NUM_Q, HP_Q, HEAD_DIM, PENDING)
         _norm_rope_heads(row + NUM_Q * HEAD_DIM, kw_ptr, c, s, eps, pre, NUM_K, HP_K, HEAD_DIM, PENDING)
@@ -166,10 +263,10 @@ if HAVE_TRITON:
             tl.store(v_ptrs, (v * pre).to(dt), mask=vm)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, r_ptr, r_cols, r_eps, PENDING: tl.constexpr,
-                             R_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-        # PENDING: gate | up came from the raw residual r [T, r_cols] (post-attention norm's gain
-        # folded into the weight): both are first multiplied by r's 1/rms and rounded.
+    def _act_and_mul_kernel(x_ptr, out_ptr, n_cols, r_ptr, r_cols, r_eps, PENDING: tl.constexpr,
+                            R_BLOCK: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr):
+        # act(gate) * up; PENDING: gate | up came from the raw residual r [T, r_cols] (post-attention
+        # norm's gain folded into the weight): both are first multiplied by r's 1/rms and rounded.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -179,7 +276,7 @@ if HAVE_TRITON:
             inv = _inv_rms(r_ptr + row * r_cols, r_cols, r_eps, R_BLOCK)
             gate = (gate * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
             up = (up * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = _activate(gate, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -196,6 +293,26 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     out = torch.empty_like(x)
     _rms_norm_kernel[(t,)](x, x if weight is None else weight, out, h, eps, HAS_WEIGHT=weight is not None,
                            BLOCK=triton.next_power_of_2(h))
+    return out
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + pre_bias) of x [T, H] in one kernel on CUDA: a post-norm layer's matmul adds
+    its residual in the epilogue and leaves its bias to this kernel (pergola.models.bert)."""
+    return launch_layer_norm(x, weight, bias, eps, pre_bias) if use_triton(x) else \
+        layer_norm_ref(x, weight, bias, eps, pre_bias)
+
+
+def launch_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                      pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel of `layer_norm` (also run by the CPU tests through Triton's interpreter)."""
+    x = x.contiguous()
+    t, h = x.shape
+    out = torch.empty_like(x)
+    _layer_norm_kernel[(t,)](x, x if pre_bias is None else pre_bias, weight, weight if bias is None else bias, out,
+                             h, eps, HAS_PRE=pre_bias is not None, HAS_BIAS=bias is not None,
+                             BLOCK=triton.next_power_of_2(h))
     return out
 
 
@@ -252,19 +369,54 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
             qkv[:, k_end:].view(t, num_kv_heads, head_dim))
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (half-split) on q [T, Hq, D] and k [T, Hkv, D]; cos/sin [P, D/2] fp32, positions [T].
+
+    On CUDA one kernel rotates q and k in place (views of a fresh qkv product, which nothing else
+    reads) and returns them; elsewhere new tensors with HF's arithmetic (rope_ref).
+    """
+    d = q.shape[-1]
+    if use_triton(q) and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0 and q.stride(1) == k.stride(1) == d:
+        return launch_rope_qk(q, k, cos, sin, positions)
+    return rope_ref(q, cos, sin, positions), rope_ref(k, cos, sin, positions)
+
+
+def launch_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of `rope_qk`, in place (also run by the CPU tests through Triton's interpreter).
+    q and k: heads contiguous ([T, H, D] with strides (row, D, 1)), any row stride."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    _rope_kernel[(t,)](q, k, q.stride(0), k.stride(0), cos.contiguous(), sin.contiguous(), positions,
+                       NUM_Q=hq, NUM_K=hk, HP_Q=triton.next_power_of_2(hq), HP_K=triton.next_power_of_2(hk),
+                       HEAD_DIM=d)
+    return q, k
+
+
+def act_and_mul(x: torch.Tensor, act: str = "silu", pending: PendingNorm | None = None) -> torch.Tensor:
+    """[T, 2I] (a | b) -> act(a) * b [T, I] in one kernel on CUDA (`act` a key of ACTIVATIONS);
+    pending: a | b still need the folded post-attention norm's 1/rms per row."""
+    return launch_act_and_mul(x, act, pending) if use_triton(x) else act_and_mul_ref(x, act, pending)
+
+
 def silu_and_mul(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]; pending: gate | up still need the folded
     post-attention norm's 1/rms per row."""
-    return launch_silu_and_mul(x, pending) if use_triton(x) else silu_and_mul_ref(x, pending)
+    return act_and_mul(x, "silu", pending)
 
 
-def launch_silu_and_mul(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
-    """The Triton kernel of `silu_and_mul` (also run by the CPU tests through Triton's interpreter)."""
+def launch_act_and_mul(x: torch.Tensor, act: str = "silu", pending: PendingNorm | None = None) -> torch.Tensor:
+    """The Triton kernel of `act_and_mul` (also run by the CPU tests through Triton's interpreter)."""
     x = x.contiguous()
     t, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block = 1024
     r, r_cols, r_eps, has_pending, r_block = pending_args(pending, x)
-    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, r, r_cols, r_eps, PENDING=has_pending,
-                                                     R_BLOCK=r_block, BLOCK=block)
+    _act_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, r, r_cols, r_eps, PENDING=has_pending,
+                                                    R_BLOCK=r_block, BLOCK=block, ACT=ACT_CODES[act])
     return out
+
+
+def launch_silu_and_mul(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
+    return launch_act_and_mul(x, "silu", pending)

@@ -26,8 +26,8 @@ from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.fused import ACTIVATIONS, act_and_mul
 from pergola.layers.linear import Linear
-from pergola.models.bert import ACTIVATIONS
 from pergola.models.loader import Model
 from pergola.models.padded import BandAttention
 from pergola.models.qwen3 import RotaryEmbedding, apply_rope
@@ -70,16 +70,17 @@ class ModernBertAttention(nn.Module):
         # Keys with |q - k| < window are seen (HF: <= local_attention // 2).
         self.window = int(cfg.get("local_attention", 128)) // 2 + 1 if layer_type == SLIDING else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
-                attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttentionMetadata, attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
+        """x [T, hidden] normalised -> the residual stream [T, hidden] with the attention added in place."""
         t = x.shape[0]
         q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # each [T, H, D]
-        q, k = apply_rope(q, k, rope, positions)
+        q, k = apply_rope(q, k, rope, positions)  # in place in the qkv product on the GPU
         if self.window is not None and meta.max_seqlen > self.window:
             out = band(q, k, v, self.window)
         else:
             out = attn(q, k, v, meta)
-        return self.Wo(out.reshape(t, -1))
+        return self.Wo(out.reshape(t, -1), residual)
 
 
 class ModernBertMLP(nn.Module):
@@ -88,11 +89,12 @@ class ModernBertMLP(nn.Module):
         h, inter, bias = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("mlp_bias", False)
         self.Wi = Linear(h, 2 * inter, bias=bias)  # input | gate
         self.Wo = Linear(inter, h, bias=bias)
-        self.act = ACTIVATIONS[cfg.get("hidden_activation", "gelu")]
+        self.act = cfg.get("hidden_activation", "gelu")  # a key of ACTIVATIONS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        value, gate = self.Wi(x).chunk(2, dim=-1)
-        return self.Wo(self.act(value) * gate)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden] -> act(input) * gate [T, I] (one kernel on the GPU) -> Wo, added in place
+        # to the residual stream [T, hidden] in the matmul's epilogue, which is returned.
+        return self.Wo(act_and_mul(self.Wi(x), self.act), residual)
 
 
 class ModernBertEncoderLayer(nn.Module):
@@ -106,8 +108,9 @@ class ModernBertEncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
                 attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, rope, meta, attn, band)
-        return x + self.mlp(self.mlp_norm(x))
+        # The residual adds ride in Wo's epilogues, in place: x is this forward's own stream.
+        x = self.attn(self.attn_norm(x), x, positions, rope, meta, attn, band)
+        return self.mlp(self.mlp_norm(x), x)
 
 
 class ModernBertModel(Model):

@@ -24,7 +24,7 @@ from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, head_dim, sequence_classification
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
-from pergola.layers.fused import PendingNorm, qk_norm_rope, rms_norm, split_qkv
+from pergola.layers.fused import PendingNorm, qk_norm_rope, rms_norm, rope_qk, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
 from pergola.models.loader import Model
 from pergola.outputs.heads import HEAD_TASKS
@@ -64,17 +64,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding,
                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [T, Hq, D] and k [T, Hkv, D] as separate kernels (Qwen2: no q/k norm to fuse it
-    with; Gemma3: after its own norms), as new tensors. HF's arithmetic: the fp32 tables cast to
-    the model dtype, x * cos + rotate_half(x) * sin."""
-    c = rope.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-    s = rope.sin[positions].unsqueeze(1).to(q.dtype)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-    return rotate(q), rotate(k)
+    """RoPE on q [T, Hq, D] and k [T, Hkv, D] where no q/k norm precedes it in the kernel (Qwen2,
+    ModernBERT; Gemma3 after its own norms): one kernel, in place on CUDA (pergola.layers.fused.rope_qk)."""
+    return rope_qk(q, k, rope.cos, rope.sin, positions)
 
 
 class Qwen3Attention(nn.Module):
