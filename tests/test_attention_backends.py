@@ -144,8 +144,9 @@ def test_band_attention_matches_each_sequence_alone(causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_window_matches_each_sequence_alone(causal):
-    """BF16 on the GPU, BandAttention takes FlashAttention-2's windowed varlen kernel: the same
-    band as the padded path (ModernBERT's 65 = 128 // 2 + 1; GQA as Gemma3), eager and replayed."""
+    """BF16 on the GPU, FlashAttention-2's windowed varlen kernel (BandAttention's fallback where
+    Triton cannot run): the same band as the padded path (ModernBERT's 65 = 128 // 2 + 1; GQA as
+    Gemma3), eager and replayed; and BandAttention itself (the Triton kernel) agrees."""
     from pergola.layers.attention import TorchFlashAttention
     from pergola.layers.cudagraph import capture
 
@@ -153,11 +154,35 @@ def test_flash_window_matches_each_sequence_alone(causal):
     q, k, v = ragged_inputs(lengths, 8, 4, 64, "cuda", torch.bfloat16)
     assert TorchFlashAttention.takes(q)
     expected = per_sequence_band(q, k, v, lengths, causal, window)
+    meta = AttentionMetadata.build(lengths, q.device, causal, padded=False)
+    torch.testing.assert_close(TorchFlashAttention.windowed(q, k, v, meta, window).float(), expected,
+                               atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(band_attention(q, k, v, lengths, causal, window).float(), expected,
                                atol=2e-2, rtol=2e-2)
-    meta = AttentionMetadata.build(lengths, q.device, causal, padded=False)
     out = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
     capture(graph, lambda: out.copy_(TorchFlashAttention.windowed(q, k, v, meta, window)))
+    graph.replay()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(12, 12, 64, 65), (3, 1, 256, 257)])  # ModernBERT, Gemma3
+def test_triton_window_matches_each_sequence_alone(causal, heads, kv_heads, dim, window):
+    """BF16 on the GPU, pergola's Triton kernel with a band: the same keys as the padded path,
+    for texts shorter and longer than the window, eager and replayed in a graph."""
+    from pergola.layers.cudagraph import capture
+    from pergola.layers.triton_attention import ragged_attention
+
+    lengths = [300, 1, window - 1, window, window + 1, 700]
+    q, k, v = ragged_inputs(lengths, heads, kv_heads, dim, "cuda", torch.bfloat16)
+    expected = per_sequence_band(q, k, v, lengths, causal, window)
+    meta = AttentionMetadata.build(lengths, q.device, causal, padded=False)
+    run = lambda: ragged_attention(q, k, v, meta.cu_seqlens, causal, window=window)  # noqa: E731
+    torch.testing.assert_close(run().float(), expected, atol=2e-2, rtol=2e-2)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    capture(graph, lambda: out.copy_(run()))
     graph.replay()
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

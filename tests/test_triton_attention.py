@@ -2,7 +2,7 @@
 
 Its indexing — rows of one program spanning several sequences, each finding its own [start, end)
 in cu_seqlens, causal and bidirectional masks, GQA, strided q/k/v views, the padding sequence of
-a graph bucket, empty sequences — runs through Triton's interpreter in FP32 against SDPA per
+a graph bucket, empty sequences, sliding windows — runs through Triton's interpreter in FP32 against SDPA per
 sequence. BF16 on the GPU, eagerly and inside graphs: tests/test_gpu.py.
 """
 
@@ -21,12 +21,17 @@ import torch.nn.functional as F
 from pergola.layers.fused import split_qkv
 from pergola.layers.triton_attention import ragged_attention
 
-def reference(q, k, v, lengths, causal):
+def reference(q, k, v, lengths, causal, window=0):
     out, start, group = [], 0, q.shape[1] // k.shape[1]
     for n in lengths:
         qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
+        i = torch.arange(n)
+        d = i[:, None] - i[None, :]  # query - key
+        mask = (d >= 0) if causal else torch.ones(n, n, dtype=torch.bool)
+        if window:
+            mask = mask & (d.abs() < window)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(out)
 
@@ -44,6 +49,11 @@ for lengths in ([37], [20, 3, 1, 17, 9], [1] * 19 + [5], [12, 30, 0, 0]):
         got = ragged_attention(q, k, v, cu, causal, block_m=16, block_n=16)
         torch.testing.assert_close(got, reference(q, k, v, [n for n in lengths if n], causal),
                                    atol=1e-5, rtol=1e-5)
+        # sliding windows: narrower than a block, spanning blocks, wider than any text
+        for window in (3, 21, 64):
+            got = ragged_attention(q, k, v, cu, causal, block_m=16, block_n=16, window=window)
+            torch.testing.assert_close(got, reference(q, k, v, [n for n in lengths if n], causal, window),
+                                       atol=1e-5, rtol=1e-5)
 print("ok")
 """
 

@@ -57,8 +57,9 @@ if HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, num_cu, num_tokens,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         qk_scale,  # softmax scale * log2(e): the softmax runs on exp2
+        window,  # WINDOWED: keys with |q - k| < window (causal: 0 <= q - k < window)
         CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, CU_BLOCK: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, CU_BLOCK: tl.constexpr, WINDOWED: tl.constexpr,
     ):
         # Program (m, h): query rows [m BM, m BM + BM) of head h, against kv head h // GROUP.
         pid_m = tl.program_id(0)
@@ -77,6 +78,10 @@ if HAVE_TRITON:
             hi = tl.minimum(pid_m * BM + BM, num_tokens)  # the last row sees keys up to itself
         else:
             hi = tl.max(tl.where(row_ok, end, 0), axis=0)
+        if WINDOWED:  # only the keys of the rows' band: the loop costs BM + 2 window keys, not the sequence
+            lo = tl.maximum(lo, pid_m * BM - window + 1)
+            if not CAUSAL:
+                hi = tl.minimum(hi, pid_m * BM + BM - 1 + window)
         m_i = tl.full([BM], float("-inf"), tl.float32)  # running max of the scaled scores
         l_i = tl.zeros([BM], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([BM, HEAD_DIM], tl.float32)
@@ -89,6 +94,8 @@ if HAVE_TRITON:
             ok = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
             if CAUSAL:
                 ok = ok & (cols[None, :] <= rows[:, None])
+            if WINDOWED:
+                ok = ok & (rows[:, None] - cols[None, :] < window) & (cols[None, :] - rows[:, None] < window)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
@@ -106,12 +113,14 @@ if HAVE_TRITON:
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
                      block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3) -> torch.Tensor:
+                     num_stages: int = 3, window: int = 0) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v per sequence of the flat batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     block_m: query rows per program; by default 16 up to 128 tokens (more programs for a tiny
     step) and 64 above (fewer key re-reads), the faster of the two at each size
     (perf/results/2026-12-03-87e4492/NOTES.md).
+    window > 0: sliding-window attention, keys with |q - k| < window (causal: 0 <= q - k < window);
+    each program walks only its rows' band of keys (models/padded.py's BandAttention).
     Half precision on a GPU (its dots would run FP32 inputs as TF32); FP32 anywhere in the
     interpreter.
     """
@@ -129,10 +138,17 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _ragged_attention_kernel[grid](
         q, k, v, out, cu_seqlens, cu_seqlens.numel(), t,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        math.log2(math.e) / math.sqrt(head_dim),
+        math.log2(math.e) / math.sqrt(head_dim), window,
         CAUSAL=causal, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BM=block_m, BN=block_n, CU_BLOCK=16,
-        num_warps=num_warps, num_stages=num_stages)
+        WINDOWED=window > 0, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def triton_window_takes(q: torch.Tensor) -> bool:
+    """Whether `ragged_attention(window=...)` runs `q`'s step: Triton, CUDA, half precision and a
+    power-of-two head_dim (models/padded.py's BandAttention falls back to FlashAttention-2 or SDPA)."""
+    d = q.shape[-1]
+    return HAVE_TRITON and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d & (d - 1) == 0
 
 
 class TritonAttention(AttentionBackend):

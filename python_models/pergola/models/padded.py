@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pergola.layers.attention import AttentionMetadata, TorchFlashAttention
+from pergola.layers.triton_attention import ragged_attention, triton_window_takes
 
 
 class PaddedLayout:
@@ -44,11 +45,12 @@ class PaddedLayout:
 
 class BandAttention:
     """Sliding-window attention of one step: keys with |q - k| < window (causal: 0 <= q - k <
-    window). On a GPU that runs FlashAttention-2 it is PyTorch's varlen kernel with its window on
-    the ragged tokens (cost ~ tokens x window); elsewhere a padded grid (SDPA with a band mask,
-    cost ~ tokens x longest sequence: gte-modernbert-base at long texts trailed vLLM that way,
-    perf/results/2026-12-05-8eb77c5/NOTES.md). Made per forward; the layout and
-    the mask are built at the first sliding layer that needs them and shared by the others."""
+    window). On a GPU, pergola's Triton ragged kernel walking only each block's band of keys
+    (cost ~ tokens x window; FlashAttention-2's windowed varlen kernel took 0.9 ms a layer at
+    20 x 4,096 ModernBERT tokens, perf/results/2026-12-06-312d31a/NOTES.md), or FA2's where Triton
+    cannot; elsewhere a padded grid (SDPA with a band mask, cost ~ tokens x longest sequence).
+    Made per forward; the layout and the mask are built at the first sliding layer that needs
+    them and shared by the others."""
 
     def __init__(self, meta: AttentionMetadata, positions: torch.Tensor, longest: int) -> None:
         self.meta, self.positions = meta, positions
@@ -66,6 +68,8 @@ class BandAttention:
         return self._built
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        if triton_window_takes(q):
+            return ragged_attention(q, k, v, self.meta.cu_seqlens, self.meta.causal, window=window)
         if TorchFlashAttention.takes(q):
             return TorchFlashAttention.windowed(q, k, v, self.meta, window)
         layout, mask = self._build(window)
