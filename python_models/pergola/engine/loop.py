@@ -31,7 +31,7 @@ import torch
 from pergola.engine import EncodeRequest, Engine, file_rows
 from pergola.engine.lazy import LazyTensor
 from pergola.engine.scheduler import LaneQueue, Step
-from pergola.triton.memory import HeapTrimmer
+from pergola.memory import HeapTrimmer
 
 log = logging.getLogger("pergola.engine")
 
@@ -130,7 +130,7 @@ class EncodeLoop:
         self._stopping = False
         self._busy_since = time.perf_counter()
         # Host memory freed by steps of varying shapes is given back every few seconds of work
-        # and when the queue runs dry (pergola/triton/memory.py); a token counts as 4 KB of churn.
+        # and when the queue runs dry (pergola/memory.py); a token counts as 4 KB of churn.
         self._trimmer = HeapTrimmer(every_bytes=256 << 20, every_s=10.0)
         self._measure()
         if cfg.query_tokens:

@@ -16,7 +16,7 @@ Bounded: `workers` processes, niced (bulk work yields the CPU to the loop and to
 most `queue` jobs waiting for them; a request past that gets 429 with Retry-After (load that
 passes). A worker that dies takes its pool's jobs with it: the pool is replaced and those
 requests answered 503. After a job that took or made 8 MB a worker gives its freed heap back to
-the system (pergola/triton/memory.py), and the gateway does every 64 MB, so neither ratchets.
+the system (pergola/memory.py), and the gateway does every 64 MB, so neither ratchets.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import orjson
 
 from pergola.gateway.errors import GatewayError, bad_request
-from pergola.triton.memory import trim
+from pergola.memory import trim
 
 log = logging.getLogger("pergola.gateway")
 T = TypeVar("T")
@@ -131,7 +131,7 @@ def _size(values: tuple) -> int:
 
 def _job(fn: Callable[..., T], args: tuple) -> T:
     """fn(*args) in a worker; after a large one the freed heap goes back to the system
-    (pergola/triton/memory.py: glibc keeps it otherwise, and each worker would ratchet to its largest job)."""
+    (pergola/memory.py: glibc keeps it otherwise, and each worker would ratchet to its largest job)."""
     try:
         out = fn(*args)
     except GatewayError as e:

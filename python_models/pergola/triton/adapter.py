@@ -94,12 +94,12 @@ class TokenizerAdapter:
     def _setup(self, pb_utils: Any, args: dict[str, str]) -> Any:
         """-> the model's EngineConfig (from config.pbtxt)."""
         from pergola.config.engine import EngineConfig
-        from pergola.triton.memory import HeapTrimmer
+        from pergola.memory import HeapTrimmer
         from pergola.triton.metrics import TokenizerMetrics
 
         end_with_server()
         self.cfg = EngineConfig.from_triton_args(args)
-        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/triton/memory.py)
+        self.trimmer = HeapTrimmer()  # a large request's buffers go back to the system (pergola/memory.py)
         self.metrics = TokenizerMetrics(pb_utils, args["model_name"], flush_s=self.cfg.metrics_flush_s)
         return self.cfg
 
