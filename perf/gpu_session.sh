@@ -56,6 +56,12 @@ for step in "$@"; do
           run "profile_${seqs}x${len}_$mm" python3 perf/profile_step.py --seqs "$seqs" --length "$len" --matmul "$mm"
         done
       done ;;
+    encoder_kernels)  # the encoders' kernels: sliding-window kernels, then ModernBERT's and bge-m3's time by kernel
+      run window python3 perf/bench_window.py --out "$OUT/window.json"
+      for model in gte-modernbert bge-m3; do
+        run "anatomy_$model" python3 perf/anatomy.py --model "$model" --shapes 100x512 20x4096 \
+          --workdir /tmp/pergola-archs --out "$OUT/anatomy_$model.json"
+      done ;;
     anatomy)  # host vs GPU-busy time per call and kernel time by kind; start-up phases
       run anatomy python3 perf/anatomy.py --shapes 1x128 1x512 100x512 100x1024 100x4096 --out "$OUT/anatomy.json" ;;
     gputests)  # the GPU-marked engine tests only (kernels, probe, graphs, the query lane), a few minutes

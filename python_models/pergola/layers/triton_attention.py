@@ -144,11 +144,19 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
+# The largest head_dim whose windows run on this kernel rather than FlashAttention-2's: at 64
+# (ModernBERT, |q - k| < 65) it took 298-375 µs a layer call where FA2 took 500-737; at 256
+# (EmbeddingGemma, < 257) 384-681 against FA2's 234-469 (perf/results/2026-12-06-1f57b5f/NOTES.md).
+WINDOW_MAX_HEAD_DIM = 64
+
+
 def triton_window_takes(q: torch.Tensor) -> bool:
     """Whether `ragged_attention(window=...)` runs `q`'s step: Triton, CUDA, half precision and a
-    power-of-two head_dim (models/padded.py's BandAttention falls back to FlashAttention-2 or SDPA)."""
+    power-of-two head_dim up to WINDOW_MAX_HEAD_DIM (models/padded.py's BandAttention takes
+    FlashAttention-2's windowed kernel or SDPA otherwise)."""
     d = q.shape[-1]
-    return HAVE_TRITON and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d & (d - 1) == 0
+    return (HAVE_TRITON and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d & (d - 1) == 0
+            and d <= WINDOW_MAX_HEAD_DIM)
 
 
 class TritonAttention(AttentionBackend):

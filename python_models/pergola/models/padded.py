@@ -46,9 +46,10 @@ class PaddedLayout:
 class BandAttention:
     """Sliding-window attention of one step: keys with |q - k| < window (causal: 0 <= q - k <
     window). On a GPU, pergola's Triton ragged kernel walking only each block's band of keys
-    (cost ~ tokens x window; FlashAttention-2's windowed varlen kernel took 0.9 ms a layer at
-    20 x 4,096 ModernBERT tokens, perf/results/2026-12-06-312d31a/NOTES.md), or FA2's where Triton
-    cannot; elsewhere a padded grid (SDPA with a band mask, cost ~ tokens x longest sequence).
+    where it is the faster (head_dim 64: ModernBERT) and FlashAttention-2's windowed varlen kernel
+    otherwise (Gemma3's 256), both costing ~ tokens x window (layers/triton_attention.py,
+    WINDOW_MAX_HEAD_DIM); elsewhere a padded grid (SDPA with a band mask, cost ~ tokens x longest
+    sequence).
     Made per forward; the layout and the mask are built at the first sliding layer that needs
     them and shared by the others."""
 
