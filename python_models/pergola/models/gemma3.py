@@ -10,13 +10,11 @@ matmul each. What differs from Qwen3, as HF computes it:
   * sliding-window layers see keys within a window (|q - k| < sliding_window // 2 + 1 when
     bidirectional, as EmbeddingGemma is; q - sliding_window < k <= q when causal).
 
-The ragged kernels take no window. A sliding layer runs on them when no sequence of the step is
-longer than the window (then the window excludes nothing), and otherwise pads the step and calls
-SDPA with the band as a mask (models/padded.py); in a CUDA-graph step the longest
-sequence is unknown, so graph steps of more tokens than the window take the padded path too. On
-the GPU a window in the kernel would do this without padding: FlashAttention's
-`window_size=(w - 1, w - 1)`, FlashInfer's `window_left` (causal only), or pergola's Triton kernel
-with a band test on the key index.
+The ragged attention backends take no window. A sliding layer runs on them when no sequence of
+the step is longer than the window (then the window excludes nothing), and otherwise on
+models/padded.py's BandAttention: on the GPU a kernel with the window (FlashAttention-2's windowed
+varlen kernel at this head_dim of 256, graph-safe), on the CPU SDPA over a padded grid with the
+band as a mask.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ no biases in the projections, RoPE with a global base on full layers and a local
 sliding ones, and the GLU `act(input) * gate`. Every `global_attn_every_n_layers`-th layer
 (from the first) attends to the whole sequence; the others to keys with |q - k| <= local_attention / 2.
 
-The ragged kernels take no window: a sliding layer uses them when no sequence of the step is
-longer than the half-window + 1 (then the window excludes nothing), and otherwise the band
-attention of models/padded.py (SDPA over a padded grid). On the GPU the window belongs in the
-kernel: FlashAttention's `window_size=(w, w)` with w = local_attention / 2, or a band test on the
-key index in pergola's Triton kernel; FlashInfer's `window_left` is causal only.
+The ragged attention backends take no window: a sliding layer uses them when no sequence of the
+step is longer than the half-window + 1 (then the window excludes nothing), and otherwise
+models/padded.py's BandAttention: on the GPU pergola's Triton kernel walking each block's band
+of keys (head_dim 64), on the CPU SDPA over a padded grid. On the GPU a layer is 9 kernels:
+LayerNorm, Wqkv, RoPE (in place), attention, Wo (+ residual), LayerNorm, Wi, GELU * gate,
+Wo (+ residual) (pergola.layers.fused).
 
 `ModernBertForSequenceClassification` rerankers: `classifier_pooling` (CLS or mean) -> head
 (dense, activation, LayerNorm) -> classifier.
