@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pergola.layers.attention import AttentionMetadata, TorchFlashAttention  # noqa: E402
-from pergola.layers.fused import split_qkv  # noqa: E402
-from pergola.layers.triton_attention import ragged_attention  # noqa: E402
+from pergola.layers.attention import AttentionMetadata, TorchFlashAttention
+from pergola.layers.fused import split_qkv
+from pergola.layers.triton_attention import ragged_attention
 
 MODELS = {  # name: (query heads, key/value heads, head dim, window)
     "modernbert": (12, 12, 64, 65),

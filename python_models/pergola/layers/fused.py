@@ -377,7 +377,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     reads) and returns them; elsewhere new tensors with HF's arithmetic (rope_ref).
     """
     d = q.shape[-1]
-    if use_triton(q) and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0 and q.stride(1) == k.stride(1) == d:
+    heads_contiguous = q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == d
+    if use_triton(q) and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0 and heads_contiguous:
         return launch_rope_qk(q, k, cos, sin, positions)
     return rope_ref(q, cos, sin, positions), rope_ref(k, cos, sin, positions)
 
