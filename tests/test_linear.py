@@ -125,14 +125,14 @@ x, w = torch.randn(7, 96), torch.rand(96) + 0.5
 torch.testing.assert_close(launch_rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(launch_rms_norm(x, None, 1e-6), rms_norm_ref(x, None, 1e-6), atol=1e-5, rtol=1e-5)
 # folded norms: the kernels after a matmul on the raw stream apply its 1/rms per row (PendingNorm)
-from pergola.layers.fused import (PendingNorm, launch_qk_norm_rope, launch_silu_and_mul, qk_norm_rope_ref,
+from pergola.layers.fused import (PendingNorm, launch_act_and_mul, launch_qk_norm_rope, qk_norm_rope_ref,
                                   rms_norm_ref)
 for m in (1, 45):
     x = torch.randn(m, 256) * 7; w = torch.randn(192, 256) * 0.06
     pending = PendingNorm(x, 1e-6)
     want = silu_and_mul_ref(F.linear(rms_norm_ref(x, None, 1e-6), w))
     torch.testing.assert_close(silu_and_mul_ref(F.linear(x, w), pending), want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(launch_silu_and_mul(F.linear(x, w), pending), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(launch_act_and_mul(F.linear(x, w), "silu", pending), want, atol=1e-4, rtol=1e-4)
     for tile in (Tile(16, 32, 64), Tile(32, 32, 128)):  # the gated pointer kernel's sum of squares over K
         torch.testing.assert_close(triton_linear(x, w, tile, gated=True, norm_eps=1e-6), want, atol=1e-4, rtol=1e-4)
     heads, kv, d = 4, 2, 32

@@ -68,6 +68,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
 }
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
+assert ACT_CODES.keys() == ACTIVATIONS.keys(), "every served activation needs its GLU kernel code"
 
 
 # --- reference implementations (CPU, and the tests' ground truth) ------------------------------
@@ -417,7 +418,3 @@ def launch_act_and_mul(x: torch.Tensor, act: str = "silu", pending: PendingNorm 
     _act_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, r, r_cols, r_eps, PENDING=has_pending,
                                                     R_BLOCK=r_block, BLOCK=block, ACT=ACT_CODES[act])
     return out
-
-
-def launch_silu_and_mul(x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor:
-    return launch_act_and_mul(x, "silu", pending)

@@ -146,7 +146,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 # The largest head_dim whose windows run on this kernel rather than FlashAttention-2's: at 64
 # (ModernBERT, |q - k| < 65) it took 298-375 µs a layer call where FA2 took 500-737; at 256
-# (EmbeddingGemma, < 257) 384-681 against FA2's 234-469 (perf/results/2026-12-06-1f57b5f/NOTES.md).
+# (EmbeddingGemma, < 257) 72-681 against FA2's 67-469 (perf/results/2026-12-06-1f57b5f/NOTES.md).
 WINDOW_MAX_HEAD_DIM = 64
 
 
