@@ -1,4 +1,5 @@
-"""vLLM 0.22.0, the seeds' baseline, on the same GPU, models and inputs as pergola's benchmarks.
+"""vLLM 0.22.0, the seeds' baseline (or 0.25.0, --vllm-site /tmp/vllm-site-0.25.0), on the same GPU, models
+and inputs as pergola's benchmarks.
 
     python perf/bench_vllm.py --out perf/out/vllm.json                 # all suites, about 5-8 min on an H200
     python perf/bench_vllm.py --suites inproc scoring --skip-server    # in-process only
@@ -7,9 +8,13 @@
     python perf/bench_vllm.py --models bge-m3 gte-modernbert --suites inproc server --dry-run  # CPU, tiny twins
     python perf/bench_vllm.py --dry-run --out perf/out/vllm_dry.json   # CPU, tiny models, vLLM not imported
 
-vLLM comes from the offline bundle (scripts/vllm_bundle.py, then scripts/vllm_setup.sh on the GPU host,
-which installs it into /tmp/vllm-site). That site goes first on the path of this script's child processes
-only: pergola's own /tmp/site holds flashinfer 0.5.3, vLLM needs 0.6.11.post2.
+vLLM comes from the offline bundle (scripts/vllm_bundle.py [--version 0.25.0], then scripts/vllm_setup.sh on
+the GPU host, which installs 0.22.0 into /tmp/vllm-site and 0.25.0 into /tmp/vllm-site-0.25.0). --vllm-site
+(default $VLLM_SITE, which SITE/env.sh sets, else /tmp/vllm-site) goes first on the path of this script's
+child processes only: pergola's own /tmp/site holds flashinfer 0.5.3, vLLM needs 0.6.11.post2 (0.25.0:
+0.6.13). The JSON's "vllm" and the log name the version that ran. 0.25.0 takes the same engine arguments,
+server flags and LLM.embed / LLM.classify calls as 0.22.0 (runner="pooling", --runner pooling; read in its
+wheel), so nothing here depends on the version.
 
 Models: the seeded Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B shape folders that perf/common.py's
 model_folder() builds (seed 0, bf16): the bytes pergola serves. With --models minilm (or both), also
@@ -906,7 +911,9 @@ def main() -> None:
         print(f"bench_vllm: --- {name} (limit {time_limit(name)} s)", flush=True)
         res = run_child(name, run, site, args.verbose)
         results["suites"][name] = res
-        results["vllm"] = results["vllm"] or res.get("env", {}).get("vllm")
+        if not results["vllm"] and res.get("env", {}).get("vllm"):
+            results["vllm"] = res["env"]["vllm"]
+            print(f"bench_vllm: vLLM {results['vllm']} from {res['env'].get('vllm_from')}", flush=True)
         write_json(out, results)
         print(f"bench_vllm: {name}: {'FAILED' if 'error' in res else 'done'} in {res['wall_s']:.0f} s; "
               f"wrote {out}", flush=True)

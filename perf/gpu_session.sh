@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements as named steps, each writing a log + JSON under $OUT (default perf/out).
 # Run from the repository root after the offline bundle is set up (scripts/gpu_setup.sh, and
-# scripts/vllm_setup.sh for the vllm step):
+# scripts/vllm_setup.sh for the vllm steps: .bundle/vllm_partN for vLLM 0.22, .bundle/vllm0250_partN for
+# the vllm025_* steps):
 #     bash perf/gpu_session.sh server vllm_server      # one or more steps; --help lists them
 # perf/README.md says what each suite measures and holds the current tables.
 # Each step fits one 10-minute GPU command; the exact command lines land in the logs and JSON.
@@ -43,6 +44,16 @@ archs_perf() {  # MODEL TAG: pergola's server suites, then vLLM 0.22's inproc + 
   # shellcheck disable=SC1091
   (source /tmp/vllm-site/env.sh && run "vllm_$tag" python3 perf/bench_vllm.py --models "$model" \
     --suites inproc server --workdir "$workdir" --out "$OUT/vllm_$tag.json")
+}
+
+vllm_server_suite() {  # SITE NAME: vLLM's server suite from SITE on Qwen3's and both architectures' shapes
+  # (VLLM_MODELS to choose), in the shared workdir pergola's archs steps use; writes NAME.json / NAME.log
+  local site=$1 name=$2
+  # shellcheck disable=SC1090,SC1091
+  # shellcheck disable=SC2086
+  (source "$site/env.sh" && run "$name" python3 perf/bench_vllm.py --vllm-site "$site" \
+    --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --workdir /tmp/pergola-archs \
+    --out "$OUT/$name.json")
 }
 
 for step in "$@"; do
@@ -232,11 +243,14 @@ for step in "$@"; do
       done ;;
     vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~7 min;
       # VLLM_MODELS="qwen3-0.6b": Qwen3's alone, ~2 min)
+      vllm_server_suite /tmp/vllm-site vllm_server ;;
+    vllm025_smoke)  # vLLM 0.25.0 (scripts/vllm_setup.sh .bundle/vllm0250_partN first): import, version and one
+      # in-process embed of the Qwen3-0.6B shape within 60 s, before vllm025_server spends minutes
       # shellcheck disable=SC1091
-      # shellcheck disable=SC2086
-      (source /tmp/vllm-site/env.sh && run vllm_server python3 perf/bench_vllm.py \
-        --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --workdir /tmp/pergola-archs \
-        --out "$OUT/vllm_server.json") ;;
+      (source /tmp/vllm-site-0.25.0/env.sh && run vllm025_smoke python3 perf/vllm_smoke.py \
+        --vllm-site /tmp/vllm-site-0.25.0 --workdir /tmp/pergola-archs --timeout 60) ;;
+    vllm025_server)  # vllm_server with vLLM 0.25.0 (VLLM_MODELS as there), same folders, same suite
+      vllm_server_suite /tmp/vllm-site-0.25.0 vllm025_server ;;
     archs_perf)  # both of the above, ~13 min: over one 10-minute command, so run the two steps apart there
       archs_perf bge-m3 bge_m3
       archs_perf gte-modernbert modernbert ;;

@@ -171,8 +171,10 @@ def pack(items: list[Item], big: list[tuple[Path, str]], capacity: int) -> list[
     return parts
 
 
-def write_parts(parts: list[Part], limit: int, out_dir: Path, prefix: str, fmt: str) -> list[Path]:
-    """Each part a folder `<prefix>N`: its files and a MANIFEST saying what to do with them."""
+def write_parts(parts: list[Part], limit: int, out_dir: Path, prefix: str, fmt: str,
+                header: tuple[str, ...] = ()) -> list[Path]:
+    """Each part a folder `<prefix>N`: its files and a MANIFEST saying what to do with them (`header`'s
+    lines follow the bundle line in every part)."""
     for old in out_dir.glob(f"{prefix}*"):
         shutil.rmtree(old)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +185,7 @@ def write_parts(parts: list[Part], limit: int, out_dir: Path, prefix: str, fmt: 
     for k, part in enumerate(parts, 1):
         d = out_dir / f"{prefix}{k}"
         d.mkdir()
-        lines = [f"# {fmt}", f"bundle {bundle_id} {k} {len(parts)}"]
+        lines = [f"# {fmt}", f"bundle {bundle_id} {k} {len(parts)}", *header]
         for it in part.items:
             dst = d / it.name
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -205,10 +207,10 @@ def write_parts(parts: list[Part], limit: int, out_dir: Path, prefix: str, fmt: 
 
 
 def split_into_parts(items: list[Item], big: list[tuple[Path, str]], limit: int, out_dir: Path, prefix: str,
-                     fmt: str) -> list[Path]:
+                     fmt: str, header: tuple[str, ...] = ()) -> list[Path]:
     """`items` whole and the `big` files in chunks, packed into parts of at most `limit` bytes
     (MANIFEST included) written to `out_dir`/`prefix`N."""
-    return write_parts(pack(items, big, limit - MANIFEST_ROOM), limit, out_dir, prefix, fmt)
+    return write_parts(pack(items, big, limit - MANIFEST_ROOM), limit, out_dir, prefix, fmt, header)
 
 
 def add_part_size_option(ap: argparse.ArgumentParser) -> None:
