@@ -169,6 +169,15 @@ x, w, b, pre = torch.randn(7, 96) * 3 + 1, torch.rand(96) + 0.5, torch.randn(96)
 for bias, pre_bias in ((b, pre), (None, None), (b, None)):
     torch.testing.assert_close(launch_layer_norm(x, w, bias, 1e-12, pre_bias), layer_norm_ref(x, w, bias, 1e-12, pre_bias),
                                atol=1e-5, rtol=1e-5)
+# the module ModernBERT builds: nn.LayerNorm's state dict, the kernel's forward (routed as on CUDA)
+import pergola.layers.fused as fused
+fused.use_triton = lambda t: True
+for with_bias in (False, True):
+    ref = torch.nn.LayerNorm(96, eps=1e-5, bias=with_bias)
+    torch.nn.init.uniform_(ref.weight, 0.5, 1.5)
+    ln = fused.LayerNorm(96, eps=1e-5, bias=with_bias)
+    ln.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(ln(x), ref(x), atol=1e-5, rtol=1e-5)
 print("ok")
 """
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
-from pergola.layers.fused import ACTIVATIONS, act_and_mul
+from pergola.layers.fused import ACTIVATIONS, LayerNorm, act_and_mul
 from pergola.layers.linear import Linear
 from pergola.models.loader import Model
 from pergola.models.padded import BandAttention
@@ -57,8 +57,8 @@ def rope_thetas(cfg: dict[str, Any]) -> dict[str, float]:
     return thetas
 
 
-def layer_norm(cfg: dict[str, Any]) -> nn.LayerNorm:
-    return nn.LayerNorm(cfg["hidden_size"], eps=cfg.get("norm_eps", 1e-5), bias=cfg.get("norm_bias", False))
+def layer_norm(cfg: dict[str, Any]) -> LayerNorm:
+    return LayerNorm(cfg["hidden_size"], eps=cfg.get("norm_eps", 1e-5), bias=cfg.get("norm_bias", False))
 
 
 class ModernBertAttention(nn.Module):
