@@ -120,12 +120,16 @@ for step in "$@"; do
       run chunking_minilm python3 perf/bench_chunking.py --model minilm --docs 500 --words 3000 --tokens 128 \
         --overlap 16 --clients 4 --docs-per-request 4 --out "$OUT/chunking_minilm.json" ;;
     front_door_quiet)  # the front door's CPU figures on this host's quiet cores (issue 38), the servers on
-      # CPUs 0-7 and the clients on 8-15: 20,000 idle + 1,000 slowloris connections (the open-files limit
-      # raised so the gateway holds them all), then 256 clients flooding for 120 s (the 30 s floods of
-      # a3538ba answered 12-21 requests each: +-7% a request); ~8 min
-      ulimit -n 65536
+      # CPUs 0-7 and the clients on 8-15: 20,000 idle + 1,000 slowloris connections with one gateway worker
+      # and with two, then 256 clients flooding for 120 s (the 30 s floods of a3538ba answered 12-21 requests
+      # each: +-7% a request); ~9 min
+      ulimit -n "$(ulimit -Hn)"  # the flood processes too (the hard limit there: 20,000)
       run connections_quiet taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
         --out "$OUT/connections_quiet.json"
+      # the same with two gateway workers: each has its own cap (17,500 under a 20,000-file limit), so the
+      # 21,000 connections are held whole instead of each new one closing an idle one (docs/operations.md)
+      run connections_quiet_w2 taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
+        --serve-arg=--gateway-workers=2 --out "$OUT/connections_quiet_w2.json"
       run overload_quiet taskset -c 8-15 python3 perf/bench_gateway_overload.py --out "$OUT/overload_quiet" \
         --cpus 0,1 --serve-args "--device cpu" --clients 256 --seconds 120 --solo-seconds 60 --phases solo,flood ;;
     mixed_rate)  # bulk kept against the query rate: the query client's pause swept, 100 x 512, ~1 min each
