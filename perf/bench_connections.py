@@ -212,6 +212,17 @@ def gateway_process(base: str) -> dict[str, float]:
     return {name: float(m.group(1)) for name, m in found.items() if m}
 
 
+def gateway_capacity(base: str) -> int | None:
+    """The connections the gateway holds at most, all its workers together (TEI's /info field
+    max_concurrent_requests: --max-connections times --gateway-workers). A flood above it is not held
+    whole: each new connection closes an idle one (gateway/connections.py), which the flood opens again."""
+    try:
+        with urllib.request.urlopen(f"{base}/info", timeout=30) as r:
+            return json.loads(r.read()).get("max_concurrent_requests")
+    except (OSError, ValueError):
+        return None
+
+
 def timed_probe(base: str, doors: dict[str, tuple[str, int]], seconds: float) -> dict[str, Any]:
     """probe(), with the flooded gateway's CPU use over it (CPU seconds a second) and its state after."""
     before = gateway_process(base)
@@ -339,6 +350,10 @@ def main() -> None:
     host, port = doors["flooded"]
     base = f"http://{host}:{port}"
     try:
+        res["gateway_max_connections"] = cap = gateway_capacity(base)
+        if cap is not None and args.idle + args.slowloris > cap:
+            print(f"the flood's {args.idle + args.slowloris:,} connections are over the gateway's {cap:,} "
+                  "(--max-connections x --gateway-workers): it churns instead of being held", flush=True)
         probe(doors, 3)  # warm-up
         res["before"] = timed_probe(base, doors, args.seconds)
         print("before", json.dumps(res["before"]), flush=True)

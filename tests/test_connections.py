@@ -107,14 +107,20 @@ def read_until_closed(s: socket.socket, within_s: float) -> tuple[bytes, float]:
 
 
 def read_response(s: socket.socket) -> bytes:
-    """One HTTP response with a content-length, read whole from a kept-alive connection."""
+    """One HTTP response with a content-length, read whole from a kept-alive connection; fails
+    when the server closes it first."""
+    def more() -> bytes:
+        part = s.recv(65536)
+        assert part, "the server closed the connection before its answer"
+        return part
+
     data = b""
     while b"\r\n\r\n" not in data:
-        data += s.recv(65536)
+        data += more()
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
     while len(body) < length:
-        body += s.recv(65536)
+        body += more()
     return head
 
 
@@ -198,6 +204,25 @@ def test_past_the_cap_the_idle_connections_make_room(capped):
     finally:
         for s in held:
             s.close()
+
+
+def test_a_flood_past_the_cap_closes_its_own_connections_before_a_kept_alive_client(capped):
+    """A real client's kept-alive connection (answered once, now idle) is older than every flood
+    connection, yet the flood's never-answered connections make room before it does."""
+    time.sleep(0.5)  # (the earlier test's connections seen closed)
+    get = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+    with capped.connect() as client:
+        client.sendall(get)
+        assert read_response(client).startswith(b"HTTP/1.1 200")
+        flood = [capped.connect() for _ in range(2 * CAP)]  # each past the cap closes an idle one
+        try:
+            time.sleep(0.5)
+            client.sendall(get)  # the same connection, still open
+            assert read_response(client).startswith(b"HTTP/1.1 200")
+            assert read_until_closed(flood[0], SLACK_S)[0] == b""  # the flood's oldest made room
+        finally:
+            for s in flood:
+                s.close()
 
 
 def test_with_every_connection_busy_a_new_one_is_refused_clearly(capped):

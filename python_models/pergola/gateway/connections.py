@@ -16,12 +16,14 @@ the body timeout (32 MB in 60 s: 0.55 MB/s).
 
 --max-connections caps the open connections of a worker process below its open-files limit
 (raised to the hard limit at start). Past the cap a new connection first makes room by closing the
-connection that has waited longest with no request in flight (idle keep-alive, or headers not
-yet complete: nginx reuses such connections the same way), so a flood of idle or slowloris
-connections cannot lock a real client out; only when every connection has a request in flight
-is the new one answered 503 + Retry-After naming the option, then closed after its request has
-been read for a moment (a lingering close: closing with unread input sends a reset, which can
-destroy the answer before the client reads it).
+connection that has waited longest with no request in flight (nginx reuses such connections the
+same way): first among those that have never been answered (idle since their opening, or their
+headers not yet complete: what an idle or slowloris flood holds), and only when there are none
+among the kept-alive ones between requests; so a flood of idle or slowloris connections can lock
+no real client out, nor close a real client's kept-alive connection while it churns. Only when
+every connection has a request in flight is the new one answered 503 + Retry-After naming the
+option, then closed after its request has been read for a moment (a lingering close: closing with
+unread input sends a reset, which can destroy the answer before the client reads it).
 
 Cost on the request path: one timer handle armed at the end of the headers and cancelled at the
 end of the body, and a dict insert/delete (the idle order); nothing per byte.
@@ -109,14 +111,17 @@ class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the clocks and the cap of this module's docstring."""
 
     limits: ClassVar[ConnectionLimits]  # set by configure() in each process
-    # Connections with no request in flight, the longest waiting first (dicts keep insertion order).
-    idle: ClassVar[dict[GuardedProtocol, None]] = {}
+    # Connections with no request in flight, the longest waiting first (dicts keep insertion order):
+    # those never answered yet (the first to make room), and the kept-alive ones between requests.
+    fresh: ClassVar[dict[GuardedProtocol, None]] = {}
+    kept: ClassVar[dict[GuardedProtocol, None]] = {}
     lingering: ClassVar[int] = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.deadline: asyncio.TimerHandle | None = None  # the header or body clock
         self.closing_after_answer = False
+        self.answered = False  # one response completed on this connection
 
     # -- connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -128,7 +133,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
-        self.idle.pop(self, None)
+        self.not_idle()
         if self.closing_after_answer:
             self.closing_after_answer = False
             GuardedProtocol.lingering -= 1
@@ -143,7 +148,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     # -- parser callbacks (uvicorn's, plus the clocks)
     def on_headers_complete(self) -> None:
-        self.idle.pop(self, None)
+        self.not_idle()
         self.arm(self.limits.body_s, self.body_expired)
         super().on_headers_complete()
 
@@ -156,8 +161,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.answered = True
         if self.timeout_keep_alive_task is not None and self.deadline is None:
-            self.idle[self] = None  # idle under uvicorn's keep-alive clock
+            self.kept[self] = None  # idle under uvicorn's keep-alive clock
 
     # -- clocks
     def arm(self, seconds: float, expired: Callable[[], None]) -> None:
@@ -172,11 +178,16 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def await_headers(self) -> None:
         self.arm(self.limits.header_s, self.headers_expired)
-        self.idle.setdefault(self, None)  # (an idle keep-alive connection keeps its place)
+        # (an idle keep-alive connection keeps its place)
+        (self.kept if self.answered else self.fresh).setdefault(self, None)
+
+    def not_idle(self) -> None:
+        self.fresh.pop(self, None)
+        self.kept.pop(self, None)
 
     def headers_expired(self) -> None:
         self.deadline = None
-        self.idle.pop(self, None)
+        self.not_idle()
         self.transport.close()
 
     def body_expired(self) -> None:
@@ -196,11 +207,11 @@ class GuardedProtocol(HttpToolsProtocol):
 
     # -- the cap
     def make_room(self) -> bool:
-        """Close the connection idle longest, if any; True when one was closed."""
-        victim = next(iter(self.idle), None)
+        """Close the connection idle longest, a never-answered one first, if any; True when one was closed."""
+        victim = next(iter(self.fresh), None) or next(iter(self.kept), None)
         if victim is None:
             return False
-        del self.idle[victim]
+        victim.not_idle()
         victim.disarm()
         self.connections.discard(victim)  # (at once: more connections may arrive before its loss is seen)
         victim.transport.close()
@@ -217,7 +228,7 @@ class GuardedProtocol(HttpToolsProtocol):
         """Write `answer`, end our side, drop what the client still sends for LINGER_S, then close."""
         self.disarm()
         self._unset_keepalive_if_required()
-        self.idle.pop(self, None)
+        self.not_idle()
         self.transport.write(answer)
         if GuardedProtocol.lingering >= MAX_LINGERING or not self.transport.can_write_eof():
             self.transport.close()

@@ -72,7 +72,8 @@ class GatewayOptions:
                                          "one per read, which a byte at a time would renew for ever)")
     keep_alive_timeout_s: float = option(30.0, "seconds an idle keep-alive connection is kept between requests")
     max_connections: int = option(0, "open client connections per gateway process; past it the connection "
-                                     "idle longest is closed to make room, and when every one has a request "
+                                     "idle longest is closed to make room (one never answered first, then "
+                                     "a kept-alive one), and when every one has a request "
                                      "in flight the new one gets 503 + Retry-After; 0: the open-files limit "
                                      "(raised to its hard limit at start) less room for Triton connections "
                                      "and files (an eighth of it, at least 1,024)")
