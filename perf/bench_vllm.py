@@ -730,12 +730,29 @@ def child_main(name: str, workdir: str) -> int:
 
 
 # --- the parent: folders, children, the JSON ------------------------------------------------------------
+def vllm_env(site: str | None) -> dict[str, str]:
+    """The environment of a child process that imports vLLM: offline, no usage reports, and the
+    vLLM site (when given) first on its path."""
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if site:
+        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a child started with start_new_session=True and everything it started (vLLM's engine
+    core, its server), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
     """Start `python bench_vllm.py --child NAME` (the vLLM site first on its path, except for the HF
     reference); echo its progress lines; kill its whole process group once it exits or times out."""
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if site and name != "reference":
-        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = vllm_env(site if name != "reference" else None)
     result_file, log_path = Path(run.workdir) / f"{name}.json", Path(run.workdir) / f"{name}.log"
     limit_s = time_limit(name)
     result_file.unlink(missing_ok=True)
@@ -759,11 +776,7 @@ def run_child(name: str, run: Run, site: str | None, verbose: bool) -> dict:
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            try:  # leave no engine core or server of this suite behind
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            kill_group(proc)  # leave no engine core or server of this suite behind
             reader.join(timeout=10)
     res = json.loads(result_file.read_text()) if result_file.is_file() else {}
     res["wall_s"] = time.perf_counter() - t0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,28 +54,21 @@ def main() -> int:
     if args.child:
         return child(args.child)
 
-    from bench_vllm import use_bundled_tokenizer
+    from bench_vllm import kill_group, use_bundled_tokenizer, vllm_env
     from common import model_folder
 
     site = args.vllm_site or None
     use_bundled_tokenizer(site)
     folder = model_folder(MODEL, Path(args.workdir))
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if site:
-        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(folder)]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: vLLM's engine core with it
+    proc = subprocess.Popen(cmd, env=vllm_env(site), start_new_session=True)  # its own group: the engine core too
     try:
         return proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         print(f"vllm_smoke: no embedding within {args.timeout:.0f} s", flush=True)
         return 124
-    finally:  # leave no engine core behind
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    finally:
+        kill_group(proc)  # leave no engine core behind
 
 
 if __name__ == "__main__":

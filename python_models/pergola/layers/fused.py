@@ -324,7 +324,7 @@ class LayerNorm(nn.LayerNorm):
     Same parameters and state-dict keys as nn.LayerNorm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and use_triton(x):
+        if x.dim() == 2 and self.weight is not None and use_triton(x):  # (the kernel takes a gain)
             return launch_layer_norm(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
