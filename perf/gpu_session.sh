@@ -36,6 +36,17 @@ lane_tests() {  # the query lane's GPU tests
   PERGOLA_TEST_DEVICE=gpu run pytest_gpu_query_lane python3 -m pytest -q -ra tests/test_query_lane.py -m gpu
 }
 
+connections_quiet() {  # 20,000 idle + 1,000 slowloris connections against `pergola serve --device cpu`,
+  # the servers on CPUs 0-7 and the flood on 8-15, with one gateway worker and with two: each worker has its
+  # own cap (17,500 under a 20,000-file limit), so two hold the 21,000 connections whole instead of each new
+  # one closing an idle one (docs/operations.md); two workers first, the configuration to size for
+  ulimit -n "$(ulimit -Hn)"  # the flood processes too (the hard limit there: 20,000)
+  run connections_quiet_w2 taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
+    --serve-arg=--gateway-workers=2 --out "$OUT/connections_quiet_w2.json"
+  run connections_quiet taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
+    --out "$OUT/connections_quiet.json"
+}
+
 archs_perf() {  # MODEL TAG: pergola's server suites, then vLLM 0.22's inproc + server suites, on one seeded
   # folder (perf/common.py's ARCH_MODELS, published shape, BF16) built once in a shared workdir
   local model=$1 tag=$2 workdir=/tmp/pergola-archs
@@ -120,18 +131,13 @@ for step in "$@"; do
       run chunking_minilm python3 perf/bench_chunking.py --model minilm --docs 500 --words 3000 --tokens 128 \
         --overlap 16 --clients 4 --docs-per-request 4 --out "$OUT/chunking_minilm.json" ;;
     front_door_quiet)  # the front door's CPU figures on this host's quiet cores (issue 38), the servers on
-      # CPUs 0-7 and the clients on 8-15: 20,000 idle + 1,000 slowloris connections with one gateway worker
-      # and with two, then 256 clients flooding for 120 s (the 30 s floods of a3538ba answered 12-21 requests
-      # each: +-7% a request); ~9 min
-      ulimit -n "$(ulimit -Hn)"  # the flood processes too (the hard limit there: 20,000)
-      run connections_quiet taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
-        --out "$OUT/connections_quiet.json"
-      # the same with two gateway workers: each has its own cap (17,500 under a 20,000-file limit), so the
-      # 21,000 connections are held whole instead of each new one closing an idle one (docs/operations.md)
-      run connections_quiet_w2 taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
-        --serve-arg=--gateway-workers=2 --out "$OUT/connections_quiet_w2.json"
+      # CPUs 0-7 and the clients on 8-15: the connection floods below, then 256 clients flooding for 120 s (the
+      # 30 s floods of a3538ba answered 12-21 requests each: +-7% a request); ~9 min
+      connections_quiet
       run overload_quiet taskset -c 8-15 python3 perf/bench_gateway_overload.py --out "$OUT/overload_quiet" \
         --cpus 0,1 --serve-args "--device cpu" --clients 256 --seconds 120 --solo-seconds 60 --phases solo,flood ;;
+    front_door_connections)  # front_door_quiet's connection floods alone, one gateway worker and two (~5 min)
+      connections_quiet ;;
     mixed_rate)  # bulk kept against the query rate: the query client's pause swept, 100 x 512, ~1 min each
       for gap in 2 10 30; do
         run "mixed_gap${gap}ms" python3 perf/bench_mixed.py --no-gateway -n 100 --loads ids_100x512 \

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergola.config.hf_folder import head_dim
+from pergola.config.hf_folder import ModelFolderError, head_dim
 from pergola.layers.attention import AttentionBackend, AttentionMetadata
 from pergola.layers.fused import ACTIVATIONS, layer_norm, use_triton
 from pergola.layers.linear import Linear, MergedLinear, linear
@@ -92,11 +92,13 @@ class BertLayer(nn.Module):
         self.output = nn.Module()
         self.output.dense = Linear(inter, h, bias=True)
         self.output.LayerNorm = nn.LayerNorm(h, eps=eps)
-        self.act = ACTIVATIONS[cfg.get("hidden_act", "gelu")]
+        self.act = cfg.get("hidden_act", "gelu")  # a key of ACTIVATIONS
+        if self.act not in ACTIVATIONS:
+            raise ModelFolderError(f"hidden_act {self.act!r} is not supported (one of {sorted(ACTIVATIONS)})")
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: intermediate, activation, output, residual + LayerNorm."""
-        return add_norm(self.output.dense, self.act(self.intermediate.dense(x)), x, self.output.LayerNorm)
+        return add_norm(self.output.dense, self.intermediate.dense.activated(x, self.act), x, self.output.LayerNorm)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         a = self.attention.self(x, meta, attn)
