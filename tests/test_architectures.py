@@ -406,3 +406,12 @@ def test_graph_bucket_steps_equal_real_steps(kind, xlmr_folders, mpnet_folder, d
         real = run_step(model, ids, lengths, causal)
         bucket = run_step(model, ids, lengths, causal, seqs=len(lengths) + 3, tokens=64)
         torch.testing.assert_close(bucket, real, atol=1e-5, rtol=1e-5)
+
+
+def test_an_unknown_hidden_act_is_refused_when_the_model_is_built():
+    from pergola.config.hf_folder import ModelFolderError
+    from pergola.models.bert import BertLayer
+
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "hidden_act": "swish2"}
+    with pytest.raises(ModelFolderError, match="hidden_act 'swish2'"):
+        BertLayer(cfg)

@@ -98,7 +98,7 @@ class BertLayer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: intermediate, activation, output, residual + LayerNorm."""
-        return add_norm(self.output.dense, self.intermediate.dense.activated(x, self.act), x, self.output.LayerNorm)
+        return add_norm(self.output.dense, ACTIVATIONS[self.act](self.intermediate.dense(x)), x, self.output.LayerNorm)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         a = self.attention.self(x, meta, attn)
