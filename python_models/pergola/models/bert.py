@@ -92,13 +92,14 @@ class BertLayer(nn.Module):
         self.output = nn.Module()
         self.output.dense = Linear(inter, h, bias=True)
         self.output.LayerNorm = nn.LayerNorm(h, eps=eps)
-        self.act = cfg.get("hidden_act", "gelu")  # a key of ACTIVATIONS
-        if self.act not in ACTIVATIONS:
-            raise ModelFolderError(f"hidden_act {self.act!r} is not supported (one of {sorted(ACTIVATIONS)})")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in ACTIVATIONS:
+            raise ModelFolderError(f"hidden_act {act!r} is not supported (one of {sorted(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: intermediate, activation, output, residual + LayerNorm."""
-        return add_norm(self.output.dense, ACTIVATIONS[self.act](self.intermediate.dense(x)), x, self.output.LayerNorm)
+        return add_norm(self.output.dense, self.act(self.intermediate.dense(x)), x, self.output.LayerNorm)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         a = self.attention.self(x, meta, attn)
