@@ -45,6 +45,7 @@ connections_quiet() {  # 20,000 idle + 1,000 slowloris connections against `perg
   ulimit -n "$(ulimit -Hn)"  # the flood processes too
   echo "open files: soft $(ulimit -Sn), hard $(ulimit -Hn), fs.nr_open $(cat /proc/sys/fs/nr_open)" \
     | tee "$OUT/open_files.txt"
+  # one worker holds the flood when its cap (the limit less an eighth: 28,672 at 32,768) is over 21,000
   if (( $(ulimit -Hn) >= 32768 )); then
     run connections_quiet taskset -c 0-7 python3 perf/bench_connections.py --serve --flood-cpus 8-15 \
       --out "$OUT/connections_quiet.json"
