@@ -233,6 +233,27 @@ def test_fused_kernels_match_references():
                                rtol=2e-2)
 
 
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
+def test_gelu_epilogue_matches_the_exact_activation(act):
+    """Linear.activated: bias + GELU in cuBLASLt's epilogue (the tanh form) against the model's
+    activation in fp32 on the same BF16 weights: no further from it than the two-kernel path."""
+    from pergola.layers.fused import ACTIVATIONS
+    from pergola.layers.linear import Linear
+
+    torch.manual_seed(0)
+    dense = Linear(1024, 4096, bias=True)  # XLM-R large's intermediate projection
+    torch.nn.init.normal_(dense.weight, std=0.03)
+    torch.nn.init.normal_(dense.bias, std=0.5)
+    dense = dense.to("cuda", torch.bfloat16)
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = ACTIVATIONS[act](torch.nn.functional.linear(x.float(), dense.weight.float(), dense.bias.float()))
+    got = dense.activated(x, act).float()
+    two_kernels = ACTIVATIONS[act](dense(x)).float()
+    err, err_two = (got - ref).abs().max().item(), (two_kernels - ref).abs().max().item()
+    assert err <= max(err_two, 2e-2), (err, err_two)
+    assert cosine_rows(got.cpu().numpy(), ref.cpu().numpy()).min() >= 0.9999
+
+
 @pytest.mark.parametrize("heads,kv,d", [(12, 12, 64), (16, 8, 128), (8, 1, 256)])  # ModernBERT, Qwen2, Gemma3
 def test_rope_and_glu_kernels_match_references(heads, kv, d):
     """RoPE without a norm (in place on views of the qkv product), every GLU activation, LayerNorm."""

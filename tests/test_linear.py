@@ -184,3 +184,19 @@ print("ok")
 
 def test_triton_kernel_indexing_in_the_interpreter():
     run_in_interpreter(KERNEL_CHECK)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_an_activated_projection_is_the_activation_of_the_projection_off_the_gpu(act):
+    from pergola.layers.fused import ACTIVATIONS
+    from pergola.layers.linear import Linear
+
+    torch.manual_seed(0)
+    dense = Linear(64, 96, bias=True)
+    torch.nn.init.normal_(dense.weight, std=0.2)
+    torch.nn.init.normal_(dense.bias)
+    x = torch.randn(7, 64)
+    # CPU (and FP32 anywhere): the model's own activation, exact GELU for "gelu"; the cuBLASLt epilogue is
+    # 16-bit CUDA only (tests/test_gpu.py::test_gelu_epilogue_matches_the_exact_activation)
+    torch.testing.assert_close(dense.activated(x, act), ACTIVATIONS[act](dense(x)), rtol=0, atol=0)
+

@@ -95,11 +95,11 @@ class BertLayer(nn.Module):
         act = cfg.get("hidden_act", "gelu")
         if act not in ACTIVATIONS:
             raise ModelFolderError(f"hidden_act {act!r} is not supported (one of {sorted(ACTIVATIONS)})")
-        self.act = ACTIVATIONS[act]
+        self.act = act  # a key of ACTIVATIONS: Linear.activated runs GELU in the matmul's epilogue
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: intermediate, activation, output, residual + LayerNorm."""
-        return add_norm(self.output.dense, self.act(self.intermediate.dense(x)), x, self.output.LayerNorm)
+        return add_norm(self.output.dense, self.intermediate.dense.activated(x, self.act), x, self.output.LayerNorm)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         a = self.attention.self(x, meta, attn)
