@@ -28,6 +28,9 @@ from pergola.layers.linear import Tile, TileTable, dump_tiles, table_key, triton
 M_VALUES = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SMALL_TILES = [Tile(bm, bn, bk, 4, st) for bm in (16, 64, 128) for bn in (32, 64, 128) for bk in (64, 128)
                for st in (4,)]
+# Split-K pointer tiles (small M): K / split per program, the last of a tile's programs adds the slices.
+SPLIT_TILES = [Tile(bm, bn, bk, 4, 4, split=s) for bm in (16, 64, 128) for bn in (32, 64) for bk in (64, 128)
+               for s in (2, 4, 8)]
 LARGE_TILES = [Tile(128, 128, 64, 8, 3), Tile(128, 256, 64, 8, 3), Tile(128, 128, 64, 4, 4), Tile(64, 128, 64, 4, 4),
                Tile(128, 64, 64, 4, 4), Tile(256, 128, 64, 8, 3), Tile(128, 128, 128, 8, 3)]
 # The persistent TMA kernel (gated: bn is the output width, so 128 means a 128 x 256 wgmma tile).
@@ -81,12 +84,15 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
         cublas = graph_time_us(ref_fn, layers)
         best: tuple[float, Tile | None] = (cublas, None)
         row = {"m": m, "cublas_us": cublas, "triton": {}}
-        for tile in (SMALL_TILES if m <= 256 else LARGE_TILES + TMA_TILES):
+        for tile in (SMALL_TILES + SPLIT_TILES if m <= 256 else LARGE_TILES + TMA_TILES):
             if not tile.fits(n, k) or tile.bm > 2 * max(m, 16):
                 continue
+            # split-K: arrival counts per weight, as each model projection keeps its own
+            counters = [torch.zeros(tile.output_tiles(m, n), dtype=torch.int32, device="cuda")
+                        for _ in range(layers)] if tile.split > 1 else [None] * layers
 
-            def fn(i, x=x, tile=tile):
-                return triton_linear(x, weights[i], tile, kind == "gated")
+            def fn(i, x=x, tile=tile, counters=counters):
+                return triton_linear(x, weights[i], tile, kind == "gated", counters=counters[i])
             try:
                 got = fn(0).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()

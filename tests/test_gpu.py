@@ -293,7 +293,8 @@ def test_triton_linear_matches_cublas(m):
     x = torch.randn(m, 1024, **bf)
     w = torch.randn(2048, 1024, **bf) * 1024**-0.5
     for tile in (linear.Tile(16, 32, 64), linear.Tile(64, 64, 128), linear.Tile(128, 128, 64, 8, 3),
-                 linear.Tile(128, 128, 64, 8, 3, tma=True), linear.Tile(64, 64, 64, 4, 4, tma=True)):
+                 linear.Tile(128, 128, 64, 8, 3, tma=True), linear.Tile(64, 64, 64, 4, 4, tma=True),
+                 linear.Tile(16, 32, 64, split=8), linear.Tile(64, 64, 128, split=4)):
         torch.testing.assert_close(linear.triton_linear(x, w, tile), F.linear(x, w), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(linear.triton_linear(x, w, tile, gated=True),
                                    fused.silu_and_mul_ref(F.linear(x, w)), atol=2e-2, rtol=2e-2)
@@ -313,6 +314,35 @@ def test_triton_linear_matches_cublas(m):
     torch.testing.assert_close(out, (r.float() + F.linear(x, w).float()).bfloat16(), atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("bm, bn, bk, split", [(16, 32, 64, 8), (64, 64, 128, 4), (128, 32, 64, 4)])
+def test_split_k_is_deterministic_and_replays_in_a_graph(bm, bn, bk, split):
+    """The last program of a tile adds the K slices in a fixed order: the same bits every call,
+    eagerly and replayed from a CUDA graph, and the arrival counts are back at zero after each."""
+    import torch.nn.functional as F
+    from pergola.layers.linear import Tile, split_counters, triton_linear
+
+    tile = Tile(bm, bn, bk, split=split)
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, w = torch.randn(128, 3072, **bf), torch.randn(1024, 3072, **bf) * 3072**-0.5
+    counters = split_counters(((128, tile),), 1024, x.device)
+    first = triton_linear(x, w, tile, counters=counters)
+    assert not counters.any()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_linear(x, w, tile, counters=counters)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = triton_linear(x, w, tile, counters=counters)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+        assert not counters.any()
+    torch.testing.assert_close(first, F.linear(x, w), atol=2e-2, rtol=2e-2)
+
+
 def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, monkeypatch):
     """Qwen3 with every matmul on a Triton tile equals the cuBLAS engine (same weights, texts)."""
     import json
@@ -325,24 +355,26 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, mon
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
-    # qkv on the pointer kernel; o and down (which add into the residual stream) and gate_up + SiLU
-    # on the persistent TMA kernel
+    # qkv on the pointer kernel, o (which adds into the residual stream) on a split-K pointer tile,
+    # down and gate_up + SiLU on the persistent TMA kernel
     tma = Tile(64, 64, 64, 4, 4, tma=True)
-    table = {table_key("plain", (heads + 2 * kv) * d, h): [(1 << 20, Tile(64, 64, 64))]}
-    for key in (table_key("plain", h, heads * d), table_key("plain", h, inter), table_key("gated", inter, h)):
+    table = {table_key("plain", (heads + 2 * kv) * d, h): [(1 << 20, Tile(64, 64, 64))],
+             table_key("plain", h, heads * d): [(1 << 20, Tile(64, 64, 64, split=2))]}
+    for key in (table_key("plain", h, inter), table_key("gated", inter, h)):
         table[key] = [(1 << 20, tma)]
     path = tmp_path / "tiles.json"
     dump_tiles(table, str(path))
     base = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul="cublas"))
     tiled = Engine(EngineConfig(model_dir=str(folder), device="cuda", matmul=str(path)))
     assert tiled.runner.matmul_tiles and not base.runner.matmul_tiles
-    calls = {"plain": 0, "gated": 0, "tma": 0, "accumulate": 0}  # the tiled engine runs Triton, the base never
+    calls = {"plain": 0, "gated": 0, "tma": 0, "split": 0, "accumulate": 0}  # the base engine never runs Triton
     real, real_tma = linear_mod.triton_linear, linear_mod._launch_tma
 
-    def spy(x, weight, tile, gated=False, out=None):
+    def spy(x, weight, tile, gated=False, out=None, **kw):
         calls["gated" if gated else "plain"] += 1
+        calls["split"] += tile.split > 1
         calls["accumulate"] += out is not None  # o / down add into the residual stream
-        return real(x, weight, tile, gated, out)
+        return real(x, weight, tile, gated, out, **kw)
 
     def spy_tma(x, weight, y, tile, gated, accumulate):
         calls["tma"] += 1
@@ -351,10 +383,10 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, mon
     monkeypatch.setattr(linear_mod, "triton_linear", spy)
     monkeypatch.setattr(linear_mod, "_launch_tma", spy_tma)
     expected = embed(base, TEXTS)
-    assert calls == {"plain": 0, "gated": 0, "tma": 0, "accumulate": 0}
+    assert calls == {"plain": 0, "gated": 0, "tma": 0, "split": 0, "accumulate": 0}
     for _ in range(3):  # warm-up, capture, replay
         assert cosine_rows(embed(tiled, TEXTS), expected).min() >= 0.999
     layers = cfg["num_hidden_layers"]
     # traced twice: warm-up and capture
-    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers, "tma": 3 * 2 * layers,
+    assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers, "tma": 2 * 2 * layers, "split": 2 * layers,
                      "accumulate": 2 * 2 * layers}

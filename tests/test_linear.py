@@ -110,7 +110,8 @@ torch.manual_seed(0)
 for m in (1, 45, 100):
     x = torch.randn(m, 256); w = torch.randn(192, 256) * 0.06
     # the TMA tiles: persistent programs (3 on the CPU) each walking several output tiles
-    for tile in (Tile(16, 32, 64), Tile(32, 64, 128), Tile(16, 32, 64, tma=True), Tile(32, 32, 128, tma=True)):
+    for tile in (Tile(16, 32, 64), Tile(32, 64, 128), Tile(16, 32, 64, tma=True), Tile(32, 32, 128, tma=True),
+                 Tile(16, 32, 64, split=2), Tile(32, 32, 64, split=4)):
         torch.testing.assert_close(triton_linear(x, w, tile), F.linear(x, w), atol=1e-4, rtol=1e-4)
         if tile.fits(96, 256):  # gated: 96 output columns (gate | up = 192 rows of w)
             torch.testing.assert_close(triton_linear(x, w, tile, gated=True),
@@ -133,7 +134,8 @@ for m in (1, 45):
     want = silu_and_mul_ref(F.linear(rms_norm_ref(x, None, 1e-6), w))
     torch.testing.assert_close(silu_and_mul_ref(F.linear(x, w), pending), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(launch_act_and_mul(F.linear(x, w), "silu", pending), want, atol=1e-4, rtol=1e-4)
-    for tile in (Tile(16, 32, 64), Tile(32, 32, 128)):  # the gated pointer kernel's sum of squares over K
+    # the gated pointer kernel's sum of squares over K (split-K: by the program that adds the slices)
+    for tile in (Tile(16, 32, 64), Tile(32, 32, 128), Tile(16, 32, 64, split=4)):
         torch.testing.assert_close(triton_linear(x, w, tile, gated=True, norm_eps=1e-6), want, atol=1e-4, rtol=1e-4)
     heads, kv, d = 4, 2, 32
     wqkv = torch.randn((heads + 2 * kv) * d, 256) * 0.06
@@ -178,6 +180,20 @@ for with_bias in (False, True):
     ln = fused.LayerNorm(96, eps=1e-5, bias=with_bias)
     ln.load_state_dict(ref.state_dict())
     torch.testing.assert_close(ln(x), ref(x), atol=1e-5, rtol=1e-5)
+# split-K: the counters a projection keeps are left at zero for its next call, and too few are refused
+from pergola.layers.linear import split_counters
+tile = Tile(16, 32, 64, split=4)
+counters = split_counters(((64, Tile(16, 32, 64)), (128, tile)), 96, torch.device("cpu"))
+assert counters.tolist() == [0] * 24  # 128 / 16 row tiles x 96 / 32 column tiles
+xs, ws = torch.randn(100, 256), torch.randn(96, 256) * 0.06
+for _ in range(2):
+    torch.testing.assert_close(triton_linear(xs, ws, tile, counters=counters), F.linear(xs, ws), atol=1e-4, rtol=1e-4)
+    assert counters.tolist() == [0] * 24
+try:
+    triton_linear(torch.randn(129, 256), ws, tile, counters=counters)
+    raise AssertionError("27 tiles on 24 counters")
+except ValueError as e:
+    assert "needs 27 int32 counters" in str(e)
 print("ok")
 """
 

@@ -57,12 +57,22 @@ class Tile:
     warps: int = 4
     stages: int = 4
     tma: bool = False
+    split: int = 1  # split-K: programs per output tile, each over K / split (pointer tiles only)
+
+    def __post_init__(self) -> None:
+        if self.split < 1 or (self.split > 1 and self.tma):
+            raise ValueError(f"tile {self}: split-K needs split >= 1 and the pointer kernel")
 
     def fits(self, n: int, k: int) -> bool:
-        return n % self.bn == 0 and k % self.bk == 0
+        return n % self.bn == 0 and k % (self.bk * self.split) == 0
+
+    def output_tiles(self, m: int, n: int) -> int:
+        """Output tiles of an [m, n] product: the split-K counters one call needs."""
+        return -(-m // self.bm) * (n // self.bn)
 
     def __str__(self) -> str:
-        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}"
+        split = f"/k{self.split}" if self.split > 1 else ""
+        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}{split}"
 
 
 # "kind:NxK" -> [(largest M, tile or None for cuBLAS)] in increasing M; past the last row, and
@@ -130,10 +140,10 @@ def pick_tile(rows: TileRows, m: int) -> Tile | None:
 if HAVE_TRITON:
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET, norm_eps,
-                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_NORM: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):
-        # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % BK == 0.
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET,
+                       norm_eps, GATED: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_NORM: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+        # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % (BK * SPLIT) == 0.
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
         # ACCUMULATE: y += x @ W^T (the residual add, in fp32, rounded once).
         # ROW_NORM: x is the raw residual stream and W holds an RMSNorm's gain (PendingNorm): the
@@ -142,38 +152,75 @@ if HAVE_TRITON:
         # L2): summed from the `a` tiles of the pipelined dot loop (num_stages > 1), Triton 3.6
         # gave wrong sums for tiles of BM >= 64, while the same kernel with num_stages = 1 or the
         # separate loop was exact (perf/results/2026-12-06-5ad8bf1/NOTES.md).
+        # SPLIT > 1 (split-K, for small M): program (n, m, s) sums K slice s into fp32 partials
+        # ws [SPLIT, 2, M, N]; the last of a tile's SPLIT programs to arrive (count_ptr, one int32
+        # per output tile, left at 0 again) adds the partials in slice order and runs the epilogue.
+        # Why: at M ~ 128 an [M, 1024] product has 8-32 output tiles for 132 SMs; split over K the
+        # weight streams from 4-8x as many SMs, with no second kernel to add the partials. The
+        # fixed order keeps the result independent of which program arrives last.
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        k_len = K // SPLIT
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        rk = tl.arange(0, BK)
+        rk = pid_k * k_len + tl.arange(0, BK)
         m_ok = (rm < M)[:, None]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BM, BK]
         w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BK, BN], a view of W^T
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         sum_sq = tl.zeros((BM,), dtype=tl.float32)
-        if ROW_NORM:
-            s_ptrs = x_ptrs
-            for _ in range(0, K, BK):
-                af = tl.load(s_ptrs, mask=m_ok, other=0.0).to(tl.float32)
-                sum_sq += tl.sum(af * af, axis=1)
-                s_ptrs += BK
-        for _ in range(0, K, BK):
+        if ROW_NORM and SPLIT == 1:
+            sum_sq = _row_sum_sq(x_ptr, rm, m_ok, stride_xm, K, BM, BK)
+        for _ in range(0, k_len, BK):
             a = tl.load(x_ptrs, mask=m_ok, other=0.0)
             acc = tl.dot(a, tl.load(w_ptrs), acc)
             if GATED:
                 acc_up = tl.dot(a, tl.load(w_ptrs + GATE_OFFSET * stride_wn), acc_up)
             x_ptrs += BK
             w_ptrs += BK
-        if ROW_NORM:
-            inv = tl.rsqrt(sum_sq / K + norm_eps)[:, None]
-            acc = acc * inv
-            acc_up = acc_up * inv
-        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        if ACCUMULATE:
-            acc += tl.load(y_ptrs, mask=m_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED), mask=m_ok)
+        last = True
+        if SPLIT > 1:
+            ws = ws_ptr + rm[:, None] * N + rn[None, :]  # slice 0's gate / plain part [BM, BN]
+            part = 2 * M * N  # one slice: gate | up
+            tl.store(ws + pid_k * part, acc, mask=m_ok)
+            if GATED:
+                tl.store(ws + pid_k * part + M * N, acc_up, mask=m_ok)
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+            tile = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            last = arrived == SPLIT - 1
+            if last:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in tl.static_range(SPLIT):  # .cg: from L2, where the other programs wrote
+                    acc += tl.load(ws + s * part, mask=m_ok, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(ws + s * part + M * N, mask=m_ok, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (and graph replay)
+                if ROW_NORM:
+                    sum_sq = _row_sum_sq(x_ptr, rm, m_ok, stride_xm, K, BM, BK)
+        if last:
+            if ROW_NORM:
+                inv = tl.rsqrt(sum_sq / K + norm_eps)[:, None]
+                acc = acc * inv
+                acc_up = acc_up * inv
+            y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+            if ACCUMULATE:
+                acc += tl.load(y_ptrs, mask=m_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED), mask=m_ok)
+
+    @triton.jit
+    def _row_sum_sq(x_ptr, rm, m_ok, stride_xm, K, BM: tl.constexpr, BK: tl.constexpr):
+        # sum over K of x[rm]^2 -> [BM] fp32 (the folded RMSNorm's statistic)
+        s_ptrs = x_ptr + rm[:, None] * stride_xm + tl.arange(0, BK)[None, :]
+        sum_sq = tl.zeros((BM,), dtype=tl.float32)
+        for _ in range(0, K, BK):
+            af = tl.load(s_ptrs, mask=m_ok, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(af * af, axis=1)
+            s_ptrs += BK
+        return sum_sq
 
     @triton.jit
     def _epilogue(acc, acc_up, dt, GATED: tl.constexpr):
@@ -223,12 +270,15 @@ if HAVE_TRITON:
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool = False,
-                  out: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, norm_eps: float | None = None,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N_w, K]^T with a given tile; gated: weight is gate | up, y is [M, N_w / 2].
 
     out: a contiguous [M, N] tensor the product is added to in place (plain matmuls only).
     norm_eps: x is the raw residual stream and the weight holds an RMSNorm's gain; each product
     row is scaled by x's 1/rms (that norm's eps) before the epilogue (pointer tiles only).
+    counters: a split-K tile's arrival counts, int32 zeros of at least tile.output_tiles(M, N)
+    (`split_counters`; the kernel leaves them at zero); None allocates them for this call.
     """
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -242,12 +292,36 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
     y = out if accumulate else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile.tma:
         return _launch_tma(x, weight, y, tile, gated, accumulate)
-    grid = (n // tile.bn, triton.cdiv(m, tile.bm))
-    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n,
+    ws, counters = _split_buffers(tile, m, n, x.device, counters)
+    grid = (n // tile.bn, triton.cdiv(m, tile.bm), tile.split)
+    _linear_kernel[grid](x, weight, y, ws, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n,
                          0.0 if norm_eps is None else norm_eps, GATED=gated, ACCUMULATE=accumulate,
-                         ROW_NORM=norm_eps is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk, num_warps=tile.warps,
-                         num_stages=tile.stages)
+                         ROW_NORM=norm_eps is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk, SPLIT=tile.split,
+                         num_warps=tile.warps, num_stages=tile.stages)
     return y
+
+
+def split_counters(rows: TileRows, n: int, device: torch.device) -> torch.Tensor | None:
+    """The arrival counts a projection's split-K rows need (int32 zeros, one per output tile of
+    the largest M each covers), or None when no row splits. One per projection: a model's calls
+    run in order on one stream, and each call leaves the counts at zero for the next."""
+    sizes = [tile.output_tiles(max_m, n) for max_m, tile in rows if tile is not None and tile.split > 1]
+    return torch.zeros(max(sizes), dtype=torch.int32, device=device) if sizes else None
+
+
+def _split_buffers(tile: Tile, m: int, n: int, device: torch.device,
+                   counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partials [split, 2, M, N] and the arrival counts of a split-K call (placeholders
+    of one element when the tile does not split)."""
+    if tile.split == 1:
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty
+    need = tile.output_tiles(m, n)
+    if counters is None:
+        counters = torch.zeros(need, dtype=torch.int32, device=device)
+    elif counters.numel() < need or counters.dtype != torch.int32:
+        raise ValueError(f"tile {tile}: an [{m}, {n}] product needs {need} int32 counters, got {counters.numel()}")
+    return torch.empty(tile.split, 2, m, n, dtype=torch.float32, device=device), counters
 
 
 def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Tile, gated: bool,
@@ -278,23 +352,24 @@ def _sm_count(device: torch.device) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-           tile: Tile | None = None) -> torch.Tensor:
+           tile: Tile | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] on `tile`, or cuBLAS when it is None.
 
     residual [M, N]: add the product to it in place and return it. The add happens in the
     matmul's epilogue (cuBLAS beta = 1 reads C while the tile is written; fp32 sum, one
     rounding), so the next RMSNorm reads one [M, N] tensor instead of two and writes one
     instead of two. In place on purpose: torch's out-of-place addmm first copies C to the output.
+    counters: a split-K tile's arrival counts (`split_counters`).
     """
     if residual is None:
-        return F.linear(x, weight) if tile is None else triton_linear(x, weight, tile)
+        return F.linear(x, weight) if tile is None else triton_linear(x, weight, tile, counters=counters)
     if tile is None:
         return residual.addmm_(x, weight.t())
-    return triton_linear(x, weight, tile, out=residual)
+    return triton_linear(x, weight, tile, out=residual, counters=counters)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None,
-                 pending: PendingNorm | None = None) -> torch.Tensor:
+                 pending: PendingNorm | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ W_gate^T) * (x @ W_up^T) for weight = gate | up [2I, K]: [M, K] -> [M, I].
 
     pending: x is the raw residual stream (pending.x) and W holds the norm's gain; the 1/rms per
@@ -304,10 +379,10 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None
     if tile is None:
         return silu_and_mul(F.linear(x, weight), pending)
     if pending is None:
-        return triton_linear(x, weight, tile, gated=True)
+        return triton_linear(x, weight, tile, gated=True, counters=counters)
     if tile.tma:
         return triton_linear(rms_norm(x, None, pending.eps), weight, tile, gated=True)
-    return triton_linear(x, weight, tile, gated=True, norm_eps=pending.eps)
+    return triton_linear(x, weight, tile, gated=True, norm_eps=pending.eps, counters=counters)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -349,6 +424,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.register_buffer("weight_scale", None)  # [1, out] fp32 once the weight is FP8
+        self.register_buffer("split_counters", None, persistent=False)  # int32, where a tile splits K
         self.tiles: TileRows = ()  # cuBLAS until select_tiles
 
     @property
@@ -362,11 +438,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
         self.tiles = ()
+        self.split_counters = None
 
     def select_tiles(self, table: TileTable) -> None:
         """Keep this projection's rows of `table` (tiles_for the device the model is built on)."""
         if self.bias is None and self.weight_scale is None:
             self.tiles = tile_rows(table, self.kind, self.output_columns, self.weight.shape[1])
+            self.split_counters = split_counters(self.tiles, self.output_columns, self.weight.device)
 
     def tile(self, x: torch.Tensor) -> Tile | None:
         """The Triton tile for x [M, K], or None for cuBLAS (CPU, FP32, no row for this M)."""
@@ -383,7 +461,7 @@ class Linear(nn.Module):
         if self.bias is not None:
             y = F.linear(x, self.weight, self.bias)
             return y if residual is None else residual.add_(y)
-        return linear(x, self.weight, residual, self.tile(x))
+        return linear(x, self.weight, residual, self.tile(x), self.split_counters)
 
     def activated(self, x: torch.Tensor, act: str) -> torch.Tensor:
         """ACTIVATIONS[act](x @ W^T + b): [M, in] -> [M, out].
@@ -440,7 +518,7 @@ class GateUpLinear(MergedLinear):
             if pending is not None:
                 raise ValueError("an FP8 gate_up projection does not take a folded norm")
             return silu_mul_quantize(fp8_linear(x, self.weight, self.weight_scale))
-        return gated_linear(x, self.weight, self.tile(x), pending)
+        return gated_linear(x, self.weight, self.tile(x), pending, self.split_counters)
 
 
 def select_tiles(model: nn.Module, table: TileTable) -> None:
