@@ -3,11 +3,14 @@
     python perf/bench_gemm.py --out perf/out/gemm.json --write-tiles perf/out/tiles.json
 
 For each projection of a Qwen3 layer (default: the 0.6B shape) and each M (tokens in a step),
-times cuBLAS (gate_up: cuBLAS + the SiLU*mul kernel) and each candidate Triton tile, checks the
-Triton result against cuBLAS, and writes the table `pergola.layers.linear` uses (a Triton tile
-where it beat cuBLAS by more than --margin, else cuBLAS). Times are per call inside a CUDA graph
-that runs the matmul over one weight per layer in turn (distinct weights, as in the model, so
-the L2 cache does not hold them), which is how the engine runs it: launch gaps included.
+times cuBLAS (gate_up: cuBLAS + the SiLU*mul kernel) and each candidate Triton tile (split-K
+ones at M <= 256), checks the Triton result against cuBLAS, and writes the table
+`pergola.layers.linear` uses (a Triton tile where it beat cuBLAS by more than --margin, else
+cuBLAS). Times are per call inside a CUDA graph that runs the matmul over one weight per layer in
+turn (distinct weights, as in the model, so the L2 cache does not hold them), which is how the
+engine runs it: launch gaps included.
+gate_up runs as the model does with its norm folded (`--fold-norms`, the default): it reads the raw
+residual stream and 1/rms is applied after the product (in the SiLU kernel or the tile's epilogue).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_models"))
-from pergola.layers.fused import silu_and_mul  # noqa: E402
-from pergola.layers.linear import Tile, TileTable, dump_tiles, table_key, triton_linear  # noqa: E402
+from pergola.layers.fused import PendingNorm  # noqa: E402
+from pergola.layers.linear import Tile, TileTable, dump_tiles, gated_linear, table_key, triton_linear  # noqa: E402
 
 M_VALUES = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SMALL_TILES = [Tile(bm, bn, bk, 4, st) for bm in (16, 64, 128) for bn in (32, 64, 128) for bk in (64, 128)
@@ -74,9 +77,9 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
     rows, table = [], []
     for m in m_values:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        if kind == "gated":
+        if kind == "gated":  # as the model runs it: x the raw stream, the norm folded (1/rms after the matmul)
             def ref_fn(i, x=x):
-                return silu_and_mul(F.linear(x, weights[i]))
+                return gated_linear(x, weights[i], None, PendingNorm(x, 1e-6))
         else:
             def ref_fn(i, x=x):
                 return F.linear(x, weights[i])
@@ -92,7 +95,9 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
                         for _ in range(layers)] if tile.split > 1 else [None] * layers
 
             def fn(i, x=x, tile=tile, counters=counters):
-                return triton_linear(x, weights[i], tile, kind == "gated", counters=counters[i])
+                if kind == "gated":
+                    return gated_linear(x, weights[i], tile, PendingNorm(x, 1e-6), counters[i])
+                return triton_linear(x, weights[i], tile, counters=counters[i])
             try:
                 got = fn(0).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()

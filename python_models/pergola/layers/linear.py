@@ -83,9 +83,12 @@ TileTable = dict[str, list[tuple[int, Tile | None]]]
 # the pointer kernel wins only at M <= 64; from M = 128 cuBLAS wins every plain shape, the persistent
 # TMA kernel included. gate_up + SiLU on the TMA kernel beats cuBLAS + the SiLU kernel from M = 1024,
 # cuBLAS wins from 128 to 512. Past 16384 (beyond the default step budget) the kernel is in the same
-# compute-bound regime, so the last row extends it.
+# compute-bound regime, so the last row extends it. down (N 1024, K 3072) at M <= 64: split-K pointer
+# tiles, 6.6 / 7.8 µs against cuBLAS's 7.8 / 8.1 at M = 16 / 64 on an H100; cuBLAS from 128, and for o
+# at every M (perf/results/2026-12-07-7da946c/NOTES.md).
 SM90_TILES: TileTable = {
     "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
+    "plain:1024x3072": [(16, Tile(16, 32, 128, split=4)), (64, Tile(64, 32, 128, split=2))],
     "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128)), (512, None),
                         (1024, Tile(128, 64, 64, 4, 4, tma=True)), (4096, Tile(128, 128, 64, 8, 4, tma=True)),
                         (1 << 20, Tile(128, 128, 64, 8, 3, tma=True))],
