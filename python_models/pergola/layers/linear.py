@@ -144,7 +144,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET,
-                       norm_eps, ws_mn, GATED: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_NORM: tl.constexpr,
+                       norm_eps, GATED: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_NORM: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
         # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % (BK * SPLIT) == 0.
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
@@ -156,9 +156,9 @@ if HAVE_TRITON:
         # gave wrong sums for tiles of BM >= 64, while the same kernel with num_stages = 1 or the
         # separate loop was exact (perf/results/2026-12-06-5ad8bf1/NOTES.md).
         # SPLIT > 1 (split-K, for small M): program (n, m, s) sums K slice s into fp32 partials
-        # ws [SPLIT, 2, M, N] (ws_mn = M * N); the last of a tile's SPLIT programs to arrive
-        # (count_ptr, one int32 per output tile, left at 0 again) adds the partials in slice order
-        # and runs the epilogue. Why: at M <= 64 an [M, 1024] product has 16-32 output tiles for 132
+        # ws [SPLIT, 2, M, N] (int32 offsets: the host keeps it under 2^31 elements); the last of a
+        # tile's SPLIT programs to arrive (count_ptr, one int32 per output tile, left at 0 again)
+        # adds the partials in slice order and runs the epilogue. Why: at M <= 64 an [M, 1024] product has 16-32 output tiles for 132
         # SMs; split over K its weight streams from 2-4x as many, with no second kernel to add the
         # partials (cuBLAS's split-K runs one). The fixed order keeps the result independent of
         # which program arrives last. Measured: it wins for down at M <= 64 only; matmuls of this
@@ -188,10 +188,10 @@ if HAVE_TRITON:
         last = True
         if SPLIT > 1:
             ws = ws_ptr + rm[:, None] * N + rn[None, :]  # slice 0's gate / plain part [BM, BN]
-            part = 2 * ws_mn.to(tl.int64)  # one slice: gate | up (int64: offsets past 2^31 at large M)
+            part = 2 * M * N  # one slice: gate | up
             tl.store(ws + pid_k * part, acc, mask=m_ok)
             if GATED:
-                tl.store(ws + pid_k * part + ws_mn, acc_up, mask=m_ok)
+                tl.store(ws + pid_k * part + M * N, acc_up, mask=m_ok)
             tl.debug_barrier()  # every thread's partial is written before the arrival is counted
             tile = pid_m * tl.num_programs(0) + pid_n
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -202,7 +202,7 @@ if HAVE_TRITON:
                 for s in tl.static_range(SPLIT):  # .cg: from L2, where the other programs wrote
                     acc += tl.load(ws + s * part, mask=m_ok, other=0.0, cache_modifier=".cg")
                     if GATED:
-                        acc_up += tl.load(ws + s * part + ws_mn, mask=m_ok, other=0.0, cache_modifier=".cg")
+                        acc_up += tl.load(ws + s * part + M * N, mask=m_ok, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (and graph replay)
                 if ROW_NORM:
                     sum_sq = _row_sum_sq(x_ptr, rm, m_ok, stride_xm, K, BM, BK)
@@ -300,7 +300,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
     ws, counters = _split_buffers(tile, m, n, x.device, counters)
     grid = (n // tile.bn, triton.cdiv(m, tile.bm), tile.split)
     _linear_kernel[grid](x, weight, y, ws, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n,
-                         0.0 if norm_eps is None else norm_eps, m * n, GATED=gated, ACCUMULATE=accumulate,
+                         0.0 if norm_eps is None else norm_eps, GATED=gated, ACCUMULATE=accumulate,
                          ROW_NORM=norm_eps is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk, SPLIT=tile.split,
                          num_warps=tile.warps, num_stages=tile.stages)
     return y
@@ -321,6 +321,8 @@ def _split_buffers(tile: Tile, m: int, n: int, device: torch.device,
     if tile.split == 1:
         empty = torch.empty(1, dtype=torch.float32, device=device)
         return empty, empty
+    if tile.split * 2 * m * n >= 1 << 31:  # the kernel's partial offsets are int32
+        raise ValueError(f"tile {tile}: split-K is for small M; {m} x {n} outputs are too many for its partials")
     need = tile.output_tiles(m, n)
     if counters is None:
         counters = torch.zeros(need, dtype=torch.int32, device=device)
