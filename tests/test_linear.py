@@ -95,6 +95,15 @@ def test_triton_linear_refuses_an_accumulator_it_cannot_write():
         triton_linear(x, w, Tile(16, 32, 64), out=torch.empty(64, 4).t())
 
 
+def test_a_split_tile_refuses_partials_past_its_int32_offsets():
+    pytest.importorskip("triton")
+    from pergola.layers.linear import triton_linear
+
+    x, w = torch.empty(32768, 128, dtype=torch.bfloat16), torch.empty(4096, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="split-K is for small M"):  # 8 x 2 x 32,768 x 4,096 = 2^31 partials
+        triton_linear(x, w, Tile(16, 32, 16, split=8))
+
+
 def test_engine_config_refuses_a_missing_tile_file(tmp_path):
     from pergola.config.engine import EngineConfig
 
