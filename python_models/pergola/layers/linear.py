@@ -297,7 +297,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
     y = out if accumulate else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile.tma:
         return _launch_tma(x, weight, y, tile, gated, accumulate)
-    ws, counters = _split_buffers(tile, m, n, x.device, counters)
+    ws, counters = _split_buffers(tile, y, counters)
     grid = (n // tile.bn, triton.cdiv(m, tile.bm), tile.split)
     _linear_kernel[grid](x, weight, y, ws, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n,
                          0.0 if norm_eps is None else norm_eps, GATED=gated, ACCUMULATE=accumulate,
@@ -314,21 +314,21 @@ def split_counters(rows: TileRows, n: int, device: torch.device) -> torch.Tensor
     return torch.zeros(max(sizes), dtype=torch.int32, device=device) if sizes else None
 
 
-def _split_buffers(tile: Tile, m: int, n: int, device: torch.device,
+def _split_buffers(tile: Tile, y: torch.Tensor,
                    counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partials [split, 2, M, N] and the arrival counts of a split-K call (placeholders
-    of one element when the tile does not split)."""
+    """The fp32 partials [split, 2, M, N] and the arrival counts of a split-K call into y [M, N]
+    (y itself stands in for both where the tile does not split: the kernel never reads them)."""
     if tile.split == 1:
-        empty = torch.empty(1, dtype=torch.float32, device=device)
-        return empty, empty
+        return y, y
+    m, n = y.shape
     if tile.split * 2 * m * n >= 1 << 31:  # the kernel's partial offsets are int32
         raise ValueError(f"tile {tile}: split-K is for small M; {m} x {n} outputs are too many for its partials")
     need = tile.output_tiles(m, n)
     if counters is None:
-        counters = torch.zeros(need, dtype=torch.int32, device=device)
+        counters = torch.zeros(need, dtype=torch.int32, device=y.device)
     elif counters.numel() < need or counters.dtype != torch.int32:
         raise ValueError(f"tile {tile}: an [{m}, {n}] product needs {need} int32 counters, got {counters.numel()}")
-    return torch.empty(tile.split, 2, m, n, dtype=torch.float32, device=device), counters
+    return torch.empty(tile.split, 2, m, n, dtype=torch.float32, device=y.device), counters
 
 
 def _launch_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, tile: Tile, gated: bool,
