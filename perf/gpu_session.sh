@@ -79,13 +79,17 @@ for step in "$@"; do
   case $step in
     gemm)  # the matmul sweep: cuBLAS vs Triton tiles per projection and M; writes the tile table it measured
       run gemm python3 perf/bench_gemm.py --out "$OUT/gemm.json" --write-tiles "$OUT/tiles.json" ;;
-    small_gemm)  # batch-1 sizes: cuBLAS vs pointer and split-K tiles at M <= 256, then a 128-token forward's
-      # kernels on the table it measured beside the shipped one (~3 min)
+    small_gemm)  # batch-1 sizes: cuBLAS vs pointer and split-K tiles at M <= 256 (gate_up with its folded
+      # norm, as the model runs it), then 16-, 64- and 128-token forwards' kernels on the table it measured,
+      # the shipped one and cuBLAS alone (~4 min)
       run gemm_small python3 perf/bench_gemm.py --m 16 64 128 256 --out "$OUT/gemm_small.json" \
         --write-tiles "$OUT/tiles_small.json"
-      run profile_1x128_small python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid \
-        --matmul "$OUT/tiles_small.json"
-      run profile_1x128 python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid ;;
+      for len in 16 64 128; do
+        for mm in "$OUT/tiles_small.json" auto cublas; do
+          run "profile_1x${len}_$(basename "$mm" .json)" python3 perf/profile_step.py --seqs 1 --length "$len" \
+            --steps 3 --grid --matmul "$mm"
+        done
+      done ;;
     profile)  # top kernels of a batch-1 128-token step and a 32 x 512 step, Triton tiles vs cuBLAS only
       for shape in "1 128" "32 512"; do
         read -r seqs len <<< "$shape"
