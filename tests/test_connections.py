@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from pergola.gateway.connections import default_max_connections
 from pergola.triton.server import free_port
+from pergola.triton.supervisor import live_stubs
 
 SLACK_S = 3.0  # what a clock may run late on a busy 2-core host
 CLOCK_S = 0.5  # the `quick` gateway's clocks
@@ -301,3 +302,6 @@ def test_serve_stops_when_its_gateway_cannot_bind_after_all(tmp_path: Path, mini
     log = served.log_tail()
     assert code != 0 and took < 30, (code, took, log)
     assert f"port {port} is in use" in log and "the gateway exited" in log, log
+    # stopped during start-up, it leaves no Python-backend stub behind (one still initialising
+    # its model is not told to stop by tritonserver)
+    assert not live_stubs(served.repo), live_stubs(served.repo)

@@ -303,14 +303,21 @@ class RepoLock:
 def _stop_now(proc: subprocess.Popen, repo: Path, grace_s: float = 1.0) -> None:
     """End a broken server: SIGTERM, SIGKILL after `grace_s` (a dead stub can hold Triton's
     shutdown for its whole exit timeout), then its remaining stubs."""
-    from pergola.triton.supervisor import stub_pids
-
     proc.terminate()
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    _kill_stubs(repo)
+
+
+def _kill_stubs(repo: Path) -> None:
+    """SIGKILL the Python-backend stubs still serving `repo` once its tritonserver has gone: a stub
+    still in its model's initialize() when the server stops is not told to, and waits for its
+    parent for good (seen after a serve stopped during start-up)."""
+    from pergola.triton.supervisor import stub_pids
+
     for pids in stub_pids(repo).values():
         for pid in pids:
             try:
@@ -469,6 +476,7 @@ def serve_supervised(opts: ServerOptions, on_stop: Callable[[], None] | None = N
     rc = 0
     if proc is not None:
         rc = _wait_exit(proc, opts.repo, output, orphans=supervisor.recovered)
+        _kill_stubs(opts.repo)
     _remove_shm(shm_prefix)
     return rc
 
