@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_models"))
 from pergola.layers.fused import PendingNorm  # noqa: E402
-from pergola.layers.linear import Tile, TileTable, dump_tiles, gated_linear, table_key, triton_linear  # noqa: E402
+from pergola.layers.linear import Tile, TileTable, dump_tiles, gated_linear, split_counters, table_key, triton_linear  # noqa: E402
 
 M_VALUES = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SMALL_TILES = [Tile(bm, bn, bk, 4, st) for bm in (16, 64, 128) for bn in (32, 64, 128) for bk in (64, 128)
@@ -91,8 +91,7 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
             if not tile.fits(n, k) or tile.bm > 2 * max(m, 16):
                 continue
             # split-K: arrival counts per weight, as each model projection keeps its own
-            counters = [torch.zeros(tile.output_tiles(m, n), dtype=torch.int32, device="cuda")
-                        for _ in range(layers)] if tile.split > 1 else [None] * layers
+            counters = [split_counters(((m, tile),), n, x.device) for _ in range(layers)]
 
             def fn(i, x=x, tile=tile, counters=counters):
                 if kind == "gated":
