@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,8 +71,16 @@ def graph_time_us(fn, calls: int, replays: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def candidates(m: int, pdl: bool) -> list[Tile]:
+    """The tiles tried at M = m; pdl: each pointer tile also with programmatic dependent launch."""
+    if m > 256:
+        return LARGE_TILES + TMA_TILES
+    small = SMALL_TILES + SPLIT_TILES
+    return small + [replace(t, pdl=True) for t in small] if pdl else small
+
+
 def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
-                m_values: list[int] = M_VALUES) -> tuple[list[dict], list]:
+                m_values: list[int] = M_VALUES, pdl: bool = False) -> tuple[list[dict], list]:
     w_rows = 2 * n if kind == "gated" else n
     weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(layers)]
     rows, table = [], []
@@ -87,7 +96,7 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
         cublas = graph_time_us(ref_fn, layers)
         best: tuple[float, Tile | None] = (cublas, None)
         row = {"m": m, "cublas_us": cublas, "triton": {}}
-        for tile in (SMALL_TILES + SPLIT_TILES if m <= 256 else LARGE_TILES + TMA_TILES):
+        for tile in candidates(m, pdl):
             if not tile.fits(n, k) or tile.bm > 2 * max(m, 16):
                 continue
             # split-K: arrival counts per weight, as each model projection keeps its own
@@ -114,10 +123,11 @@ def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
                    best_tbps=bytes_moved / (best[0] if won else cublas) / 1e6,
                    best_tflops=2 * m * w_rows * k / (best[0] if won else cublas) / 1e6)
         timed = [(r["us"], name) for name, r in row["triton"].items() if "us" in r and r["max_rel_err"] < 2e-2]
-        fastest = min(timed, default=(float("nan"), "-"))
+        fastest = min(((us, name) for us, name in timed if not name.endswith("/pdl")), default=(float("nan"), "-"))
+        with_pdl = min(((us, name) for us, name in timed if name.endswith("/pdl")), default=None)
         log(f"  M={m:6d}  cuBLAS {cublas:8.2f} µs   best {row['best']:>18s} {row['best_us']:8.2f} µs  "
             f"({row['best_tbps']:.2f} TB/s, {row['best_tflops']:.0f} TFLOP/s)   fastest Triton {fastest[1]} "
-            f"{fastest[0]:.2f} µs")
+            f"{fastest[0]:.2f} µs" + (f", with PDL {with_pdl[1]} {with_pdl[0]:.2f} µs" if with_pdl else ""))
         rows.append(row)
     return rows, table
 
@@ -144,6 +154,8 @@ def main() -> None:
     p.add_argument("--margin", type=float, default=0.03, help="Triton must beat cuBLAS by this fraction")
     p.add_argument("--only", nargs="*", default=None, help="projections to run (qkv o gate_up down)")
     p.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="token counts (rows) to time")
+    p.add_argument("--pdl", action="store_true",
+                   help="also time each pointer tile launched with programmatic dependent launch (sm90+)")
     p.add_argument("--out", default="perf/out/gemm.json")
     p.add_argument("--write-tiles", default=None, help="write the chosen table as JSON (pergola serve --matmul FILE)")
     args = p.parse_args()
@@ -154,7 +166,8 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         print(f"{name}: {kind} N={n} K={k}", flush=True)
-        rows, chosen = bench_shape(kind, n, k, args.layers, args.margin, lambda s: print(s, flush=True), args.m)
+        rows, chosen = bench_shape(kind, n, k, args.layers, args.margin, lambda s: print(s, flush=True), args.m,
+                                   args.pdl)
         results[name] = {"kind": kind, "n": n, "k": k, "rows": rows}
         table[table_key(kind, n, k)] = compact(chosen)
     tiles: TileTable = {key: rows for key, rows in table.items() if any(t is not None for _, t in rows)}

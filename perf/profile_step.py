@@ -55,12 +55,24 @@ def kernel_grids(engine: Engine, seqs) -> str:
             grid = e.get("args", {}).get("grid", [0, 0, 0])
             groups[(e["name"][:70], grid[0] * grid[1] * grid[2])].append(e["dur"])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
     lines = [f"{sms} SMs; {sum(map(len, groups.values()))} kernels, "
-             f"{sum(map(sum, groups.values())):.0f} us busy",
+             f"{sum(map(sum, groups.values())):.0f} us busy; {covered_us(spans):.0f} us covered by a kernel, "
+             f"{spans[-1][1] - spans[0][0]:.0f} us first start to last end",
              f"{'kernel':70} {'CTAs':>6} {'n':>4} {'mean us':>8} {'total us':>9}"]
     for (name, ctas), durs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"{name:70} {ctas:6d} {len(durs):4d} {sum(durs) / len(durs):8.2f} {sum(durs):9.1f}")
     return "\n".join(lines)
+
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """The time at least one kernel runs, from sorted (start, end) spans: kernels launched with
+    programmatic dependent launch overlap the one before, so their durations' sum counts twice."""
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total
+
 
 folder = model_folder(args.model, Path(args.workdir or tempfile.mkdtemp()))
 overrides = parse_variants([f"options:{','.join(args.option)}"])["options"] if args.option else {}

@@ -67,7 +67,8 @@ def test_fused_projections_load_their_parts_into_their_rows():
 
 
 def test_tile_table_file_round_trip(tmp_path):
-    table = {table_key("gated", 3072, 1024): [(128, Tile(64, 64, 128, 4, 4)), (1024, None)]}
+    table = {table_key("gated", 3072, 1024): [(64, Tile(64, 32, 128, pdl=True)), (128, Tile(64, 64, 128, 4, 4)),
+                                              (1024, None)]}
     dump_tiles(table, str(tmp_path / "t.json"))
     assert load_tiles(str(tmp_path / "t.json")) == table
     assert tiles_for(str(tmp_path / "t.json"), torch.device("cpu")) == {}  # the CPU never uses Triton
@@ -102,6 +103,18 @@ def test_a_split_tile_refuses_partials_past_its_int32_offsets():
     x, w = torch.empty(32768, 128, dtype=torch.bfloat16), torch.empty(4096, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="split-K is for small M"):  # 8 x 2 x 32,768 x 4,096 = 2^31 partials
         triton_linear(x, w, Tile(16, 32, 16, split=8))
+
+
+def test_a_dependent_launch_tile_runs_on_the_pointer_kernel_of_a_gpu_only():
+    pytest.importorskip("triton")
+    from pergola.layers.linear import triton_linear
+
+    assert str(Tile(64, 32, 128, split=2, pdl=True)) == "64x32x128/w4s4/k2/pdl"
+    with pytest.raises(ValueError, match="pointer kernel"):
+        Tile(128, 128, 64, tma=True, pdl=True)
+    x, w = torch.randn(16, 128, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dependent launch needs"):  # griddepcontrol is PTX: no interpreter
+        triton_linear(x, w, Tile(16, 32, 64, pdl=True))
 
 
 def test_engine_config_refuses_a_missing_tile_file(tmp_path):

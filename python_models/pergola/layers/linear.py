@@ -43,6 +43,10 @@ if HAVE_TRITON:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         TensorDescriptor = None
+    try:  # Triton >= 3.4: grid dependency control (programmatic dependent launch, sm90+)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:
+        gdc_launch_dependents = gdc_wait = None
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,15 @@ class Tile:
     stages: int = 4
     tma: bool = False
     split: int = 1  # split-K: programs per output tile, each over K / split (pointer tiles only)
+    # Programmatic dependent launch (pointer tiles, sm90+): the kernel may start while the one before
+    # it finishes, pulls its weight slice toward L2, then waits for that kernel's output (_linear_kernel).
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.split < 1 or (self.split > 1 and self.tma):
             raise ValueError(f"tile {self}: split-K needs split >= 1 and the pointer kernel")
+        if self.pdl and self.tma:
+            raise ValueError(f"tile {self}: dependent launch is for the pointer kernel")
 
     def fits(self, n: int, k: int) -> bool:
         return n % self.bn == 0 and k % (self.bk * self.split) == 0
@@ -72,7 +81,8 @@ class Tile:
 
     def __str__(self) -> str:
         split = f"/k{self.split}" if self.split > 1 else ""
-        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}{split}"
+        pdl = "/pdl" if self.pdl else ""
+        return f"{'tma:' if self.tma else ''}{self.bm}x{self.bn}x{self.bk}/w{self.warps}s{self.stages}{split}{pdl}"
 
 
 # "kind:NxK" -> [(largest M, tile or None for cuBLAS)] in increasing M; past the last row, and
@@ -145,7 +155,7 @@ if HAVE_TRITON:
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym, GATE_OFFSET,
                        norm_eps, GATED: tl.constexpr, ACCUMULATE: tl.constexpr, ROW_NORM: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         # x [M, K], W [N_w, K] (row n of W is output column n), y [M, N]. N % BN == K % (BK * SPLIT) == 0.
         # GATED: y[:, n] = silu(x @ W[n]) * (x @ W[n + GATE_OFFSET]), W holding gate | up rows.
         # ACCUMULATE: y += x @ W^T (the residual add, in fp32, rounded once).
@@ -163,6 +173,10 @@ if HAVE_TRITON:
         # partials (cuBLAS's split-K runs one). The fixed order keeps the result independent of
         # which program arrives last. Measured: it wins for down at M <= 64 only; matmuls of this
         # size are bound by launch and ramp more than by bytes (perf/results/2026-12-07-7da946c/).
+        # PDL (launched with programmatic dependent launch): the next kernel may be scheduled at
+        # once, and this one's weight slice (which no earlier kernel writes) is prefetched into L2
+        # while the kernel before it runs; everything that reads an activation or writes comes after
+        # gdc_wait, which returns once that kernel has finished and its writes are visible.
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -170,6 +184,12 @@ if HAVE_TRITON:
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         rk = pid_k * k_len + tl.arange(0, BK)
+        if PDL:
+            gdc_launch_dependents()
+            _prefetch_l2(w_ptr + rn[:, None] * stride_wn + pid_k * k_len, k_len, BK)
+            if GATED:
+                _prefetch_l2(w_ptr + (rn[:, None] + GATE_OFFSET) * stride_wn + pid_k * k_len, k_len, BK)
+            gdc_wait()
         m_ok = (rm < M)[:, None]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BM, BK]
         w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BK, BN], a view of W^T
@@ -215,6 +235,15 @@ if HAVE_TRITON:
             if ACCUMULATE:
                 acc += tl.load(y_ptrs, mask=m_ok, other=0.0).to(tl.float32)
             tl.store(y_ptrs, _epilogue(acc, acc_up, y_ptr.dtype.element_ty, GATED), mask=m_ok)
+
+    @triton.jit
+    def _prefetch_l2(row_ptrs, k_len, BK: tl.constexpr):
+        # row_ptrs [R, 1] -> one L2 prefetch per 128-byte line of each row's k_len 16-bit elements
+        ptrs = row_ptrs + (tl.arange(0, BK // 64) * 64)[None, :]  # [R, BK / 64]
+        for _ in range(0, k_len, BK):
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+            ptrs += BK
 
     @triton.jit
     def _row_sum_sq(x_ptr, rm, m_ok, stride_xm, K, BM: tl.constexpr, BK: tl.constexpr):
@@ -293,6 +322,8 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
         raise ValueError(f"out= needs a plain matmul and a contiguous [{m}, {n}] tensor, got {tuple(out.shape)}")
     if norm_eps is not None and tile.tma:
         raise ValueError(f"tile {tile}: the persistent TMA kernel does not apply a pending norm")
+    if tile.pdl and (gdc_wait is None or x.device.type != "cuda" or x.element_size() != 2):
+        raise ValueError(f"tile {tile}: dependent launch needs Triton >= 3.4, a CUDA device and 16-bit operands")
     accumulate = out is not None
     y = out if accumulate else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile.tma:
@@ -302,7 +333,8 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile, gated: bool
     _linear_kernel[grid](x, weight, y, ws, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0), n,
                          0.0 if norm_eps is None else norm_eps, GATED=gated, ACCUMULATE=accumulate,
                          ROW_NORM=norm_eps is not None, BM=tile.bm, BN=tile.bn, BK=tile.bk, SPLIT=tile.split,
-                         num_warps=tile.warps, num_stages=tile.stages)
+                         PDL=tile.pdl, num_warps=tile.warps, num_stages=tile.stages,
+                         **({"launch_pdl": True} if tile.pdl else {}))
     return y
 
 
