@@ -5,13 +5,13 @@ hold their weights in Hugging Face's layout, load checkpoint shards through thei
 `weight_loader`, and keep the rows of the tile table that match their shape (`select_tiles`, when
 the model is built for a device): tiles depend only on (kind, N, K), M picks the row per call.
 
-Why Triton kernels at all: (1) at batch-1 sizes (M ~ 128 tokens) cuBLAS tiles the output
-128 x 128, so the 1024-column o/down projections of Qwen3-0.6B run as 8 CTAs on 132 SMs and read
-their weights at a fraction of the memory bandwidth; narrow Triton tiles (BN 32-64) put 64-256
-CTAs on the same matmul. (2) `gated` is gate_up + SiLU*mul in one kernel, which saves the [M, 2I]
+Why Triton kernels at all: (1) `gated` is gate_up + SiLU*mul in one kernel, which saves the [M, 2I]
 round trip through memory: for large M a persistent TMA kernel whose wgmma tile spans BN gate and
 BN up columns, faster than cuBLAS + the SiLU kernel from the table's crossover
-(perf/results/2026-12-02-e5fe34e/NOTES.md).
+(perf/results/2026-12-02-e5fe34e/NOTES.md). (2) At batch-1 sizes the pointer kernel's narrow tiles,
+split-K and dependent launch put more CTAs on a matmul than cuBLAS's 128-wide ones; on the H100 they
+won single matmuls by up to 15% but not the forward, so the built-in table leaves small M to cuBLAS
+and they serve tables measured elsewhere (perf/results/2026-12-07-1ddb3b5/NOTES.md).
 
 Which kernel and tile serve which M is a table measured on the GPU (`perf/bench_gemm.py` prints
 it); shapes the table does not cover, and every CPU call, take the PyTorch path. Numerics are
@@ -89,19 +89,16 @@ class Tile:
 # for shapes not listed, cuBLAS (+ the SiLU kernel) runs. `--matmul file.json` (what
 # perf/bench_gemm.py --write-tiles writes) replaces the table, e.g. with one measured on another GPU.
 TileTable = dict[str, list[tuple[int, Tile | None]]]
-# H200, Qwen3-0.6B projections, measured by perf/bench_gemm.py (perf/results/2026-12-02-e5fe34e/NOTES.md):
-# the pointer kernel wins only at M <= 64; from M = 128 cuBLAS wins every plain shape, the persistent
-# TMA kernel included. gate_up + SiLU on the TMA kernel beats cuBLAS + the SiLU kernel from M = 1024,
-# cuBLAS wins from 128 to 512. Past 16384 (beyond the default step budget) the kernel is in the same
-# compute-bound regime, so the last row extends it. down (N 1024, K 3072) at M <= 64: split-K pointer
-# tiles, 6.6 / 7.8 µs against cuBLAS's 7.8 / 8.1 at M = 16 / 64 on an H100; cuBLAS from 128, and for o
-# at every M (perf/results/2026-12-07-7da946c/NOTES.md).
+# Qwen3-0.6B projections. Small steps (M <= 512) run on cuBLAS (+ the SiLU kernel): in the forward of a
+# 16- or 64-token step on an H100, cuBLAS alone took 963 / 966 µs of GPU time against 1,019 / 1,024 with
+# pointer tiles for gate_up (whose folded norm costs the tile its lead) and split-K for down, and 970 / 976
+# with the tiles bench_gemm measured fastest one by one, dependent launch included
+# (perf/results/2026-12-07-1ddb3b5/NOTES.md). gate_up + SiLU on the persistent TMA kernel beats cuBLAS + the
+# SiLU kernel from M = 1024 (H200, perf/results/2026-12-02-e5fe34e/NOTES.md); past 16384 (beyond the default
+# step budget) the kernel is in the same compute-bound regime, so the last row extends it.
 SM90_TILES: TileTable = {
-    "plain:4096x1024": [(16, None), (64, Tile(64, 32, 128))],
-    "plain:1024x3072": [(16, Tile(16, 32, 128, split=4)), (64, Tile(64, 32, 128, split=2))],
-    "gated:3072x1024": [(16, Tile(16, 32, 128)), (64, Tile(64, 32, 128)), (512, None),
-                        (1024, Tile(128, 64, 64, 4, 4, tma=True)), (4096, Tile(128, 128, 64, 8, 4, tma=True)),
-                        (1 << 20, Tile(128, 128, 64, 8, 3, tma=True))],
+    "gated:3072x1024": [(512, None), (1024, Tile(128, 64, 64, 4, 4, tma=True)),
+                        (4096, Tile(128, 128, 64, 8, 4, tma=True)), (1 << 20, Tile(128, 128, 64, 8, 3, tma=True))],
 }
 
 
