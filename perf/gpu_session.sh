@@ -73,16 +73,19 @@ vllm_server_suite() {  # SITE NAME: vLLM's server suite from SITE on Qwen3's and
   (source "$site/env.sh" && run "$name" python3 perf/bench_vllm.py --vllm-site "$site" \
     --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --workdir /tmp/pergola-archs \
     --out "$OUT/$name.json")
+  for log in /tmp/pergola-archs/vllm_*_embed.log; do  # vLLM's own server logs: its engine and kernel choices
+    [[ -f $log ]] && cp "$log" "$OUT/${name}_$(basename "$log")"
+  done
 }
 
 for step in "$@"; do
   case $step in
     gemm)  # the matmul sweep: cuBLAS vs Triton tiles per projection and M; writes the tile table it measured
       run gemm python3 perf/bench_gemm.py --out "$OUT/gemm.json" --write-tiles "$OUT/tiles.json" ;;
-    small_gemm)  # batch-1 sizes: cuBLAS vs pointer and split-K tiles at M <= 256 (gate_up with its folded
+    small_gemm)  # batch-1 sizes: cuBLAS vs pointer, split-K and dependent-launch tiles at M <= 256 (gate_up with its folded
       # norm, as the model runs it), then 16-, 64- and 128-token forwards' kernels on the table it measured,
       # the shipped one and cuBLAS alone (~4 min)
-      run gemm_small python3 perf/bench_gemm.py --m 16 64 128 256 --out "$OUT/gemm_small.json" \
+      run gemm_small python3 perf/bench_gemm.py --m 16 64 128 256 --pdl --out "$OUT/gemm_small.json" \
         --write-tiles "$OUT/tiles_small.json"
       for len in 16 64 128; do
         for mm in "$OUT/tiles_small.json" auto cublas; do
