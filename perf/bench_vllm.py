@@ -47,8 +47,8 @@ Suites, each in its own process (a crash or leaked GPU memory cannot touch the n
   reference  HF transformers on the same weights and ids (what each suite is checked against, first)
   inproc     LLM(runner="pooling"): batch-1 sequential latency at 128/512/4096 tokens (llm.embed,
              pre-tokenized), throughput of 100 texts per call at 512/1024/4096
-  server     vLLM's OpenAI-compatible server with real HTTP clients: latency (pre-tokenized
-             /v1/embeddings), throughput (batch 100, four client processes behind a barrier),
+  server     vLLM's OpenAI-compatible server with real HTTP clients: latency (pre-tokenized, to
+             /pooling with task "embed"; --ids-api embeddings: /v1/embeddings), throughput (batch 100, four client processes behind a barrier),
              concurrency (512-token text, batch 1, 1/2/4/8/16 in flight: tokenization and the
              network hop count)
   scoring    the Qwen3-Reranker shape, loaded as vLLM documents it (a one-logit classifier from the
@@ -205,6 +205,7 @@ class Run:
     suites: tuple[str, ...]  # the children to run after the reference
     embed_model: str = MODELS[0]  # the --models name that plan and embed_folder are for
     data_parallel_size: int = 1  # vLLM's server replicas, one per GPU (--data-parallel-size)
+    ids_api: str = "pooling"  # where the server suites send token-id lists (IDS_APIS, --ids-api)
 
     def save(self) -> None:
         (Path(self.workdir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
@@ -388,11 +389,21 @@ class VllmServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-class HttpClient:
-    """One keep-alive HTTP/1.1 connection (stdlib http.client), JSON in, base64 float32 embeddings out."""
+# Where token-id lists go (--ids-api): vLLM's /pooling with task "embed" (the default), or its OpenAI
+# /v1/embeddings. vLLM 0.25 made /v1/embeddings' body a union with chat-message inputs that pydantic checks
+# token by token: ~10 µs a token on the server's event loop before vLLM's handler runs, ~100,000 tokens/s
+# for all clients together (perf/results/2026-12-07-1ddb3b5/NOTES.md). /pooling's body is the same in 0.22
+# and 0.25 and builds the same embedding request, so it measures the engine in both.
+IDS_APIS = {"pooling": ("/pooling", "data"), "embeddings": ("/v1/embeddings", "embedding")}
 
-    def __init__(self, host: str, port: int) -> None:
+
+class HttpClient:
+    """One keep-alive HTTP/1.1 connection (stdlib http.client), JSON in, base64 float32 embeddings out.
+    ids_api: the IDS_APIS entry token-id lists go to (texts always go to /v1/embeddings)."""
+
+    def __init__(self, host: str, port: int, ids_api: str = "pooling") -> None:
         self.host, self.port = host, port
+        self.ids_path, self.ids_field = IDS_APIS[ids_api]
         self.conn = http.client.HTTPConnection(host, port, timeout=300)
 
     def post(self, path: str, body: dict) -> dict:
@@ -411,15 +422,17 @@ class HttpClient:
             raise RuntimeError(f"POST {path}: HTTP {r.status}: {payload[:600]!r}")
         return json.loads(payload)
 
-    def embed(self, inputs: list) -> np.ndarray:
-        """`inputs`: token-id lists (pre-tokenized) or strings (the server tokenizes). -> [n, dim]."""
-        out = self.post("/v1/embeddings", {"model": SERVED_NAME, "input": inputs, "encoding_format": "base64",
-                                           "embed_dtype": "float32", "endianness": "little"})
+    def embed(self, inputs: list, path: str = "/v1/embeddings", field: str = "embedding",
+              **extra: str) -> np.ndarray:
+        """`inputs`: strings (the server tokenizes) or token-id lists. -> [n, dim]."""
+        out = self.post(path, {"model": SERVED_NAME, "input": inputs, "encoding_format": "base64",
+                               "embed_dtype": "float32", "endianness": "little", **extra})
         rows = sorted(out["data"], key=lambda d: d["index"])
-        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
+        return np.stack([np.frombuffer(base64.b64decode(d[field]), dtype="<f4") for d in rows])
 
     def embed_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
-        return self.embed([s.tolist() for s in seqs])
+        extra = {"task": "embed"} if self.ids_path == "/pooling" else {}
+        return self.embed([s.tolist() for s in seqs], self.ids_path, self.ids_field, **extra)
 
     def classify_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
         """POST /classify with token-id lists (no tokenization, no template): [n] scores."""
@@ -428,8 +441,9 @@ class HttpClient:
         return np.asarray([yes_probability(d["probs"]) for d in rows], dtype=np.float32)
 
 
-def _throughput_worker(host: str, port: int, batches: list[list[np.ndarray]], barrier: Any, q: Any) -> None:
-    client = HttpClient(host, port)
+def _throughput_worker(host: str, port: int, ids_api: str, batches: list[list[np.ndarray]], barrier: Any,
+                       q: Any) -> None:
+    client = HttpClient(host, port, ids_api)
     client.embed_ids(batches[0][:2])  # connection warm-up
     barrier.wait()  # all processes start together, after their (slow) imports
     t0 = time.time()
@@ -438,10 +452,10 @@ def _throughput_worker(host: str, port: int, batches: list[list[np.ndarray]], ba
     q.put((len(batches), t0, time.time()))
 
 
-def run_http_throughput(host: str, port: int, windows: TokenWindows, length: int, requests_per_proc: int,
-                        procs: int = 4) -> dict:
+def run_http_throughput(host: str, port: int, ids_api: str, windows: TokenWindows, length: int,
+                        requests_per_proc: int, procs: int = 4) -> dict:
     """bench_server.py's throughput suite over HTTP: the same processes, batches and wall time."""
-    return run_client_processes(_throughput_worker, (host, port), windows, length, procs=procs,
+    return run_client_processes(_throughput_worker, (host, port, ids_api), windows, length, procs=procs,
                                 requests_per_proc=requests_per_proc)
 
 
@@ -586,7 +600,8 @@ def suite_server(run: Run, res: dict) -> None:
         res["server_ready_s"] = server.ready_s
         res["server_command"] = " ".join(server.cmd)
         say(name, f"server ready in {server.ready_s:.1f} s on port {server.port}")
-        client = HttpClient(server.host, server.port)
+        client = HttpClient(server.host, server.port, run.ids_api)
+        res["ids_api"] = client.ids_path
         res["min_cosine_vs_hf"] = cosine_min(client.embed_ids(embed_check_inputs(windows, plan)), ref)
         say(name, f"check vs HF transformers: min cosine {res['min_cosine_vs_hf']:.5f}")
         if not res["min_cosine_vs_hf"] >= MIN_COSINE:
@@ -599,7 +614,8 @@ def suite_server(run: Run, res: dict) -> None:
         res["throughput"] = {}
         for length in plan.tput_lengths:
             procs = 4 * run.data_parallel_size  # as bench_scaling.py: four client processes per GPU
-            row = {"vllm": run_http_throughput(server.host, server.port, windows, length, plan.requests_per_proc,
+            row = {"vllm": run_http_throughput(server.host, server.port, run.ids_api, windows, length,
+                                               plan.requests_per_proc,
                                                procs)}
             res["throughput"][length] = row
             say(name, f"throughput 100 x {length} tok, {procs} procs: {row['vllm']['embeddings_per_s']:.0f} emb/s")
@@ -656,17 +672,18 @@ def suite_scoring_server(run: Run, res: dict) -> None:
 
 
 # --- mixed traffic: perf/mixed.py's driver against vLLM's server (bench_mixed.py runs pergola's) --------
-def vllm_ids_sender(host: str, port: int) -> Callable[[list[np.ndarray]], np.ndarray]:
-    return HttpClient(host, port).embed_ids
+def vllm_ids_sender(host: str, port: int, ids_api: str = "pooling") -> Callable[[list[np.ndarray]], np.ndarray]:
+    return HttpClient(host, port, ids_api).embed_ids
 
 
 def vllm_text_sender(host: str, port: int) -> Callable[[list[str]], np.ndarray]:
     return HttpClient(host, port).embed
 
 
-def _vllm_query(host: str, port: int, payload: list) -> Callable[[], np.ndarray]:
-    client = HttpClient(host, port)
-    return lambda: client.embed(payload)
+def _vllm_query(host: str, port: int, payload: list, ids_api: str | None = None) -> Callable[[], np.ndarray]:
+    """A batch-1 query: texts to /v1/embeddings, or token-id arrays to `ids_api` (IDS_APIS)."""
+    client = HttpClient(host, port, ids_api or "pooling")
+    return (lambda: client.embed_ids(payload)) if ids_api else (lambda: client.embed(payload))
 
 
 def suite_mixed(run: Run, res: dict) -> None:
@@ -681,7 +698,7 @@ def suite_mixed(run: Run, res: dict) -> None:
     with VllmServer(run.embed_folder, run, Path(run.workdir) / "vllm_mixed.log") as server:
         res["server_command"] = " ".join(server.cmd)
         endpoint = (server.host, server.port)
-        kinds = {"http_ids_128": partial(_vllm_query, *endpoint, [windows.ids(128, 1, seed=128)[0].tolist()]),
+        kinds = {"http_ids_128": partial(_vllm_query, *endpoint, [windows.ids(128, 1, seed=128)[0]], run.ids_api),
                  "http_text": partial(_vllm_query, *endpoint, [mixed.QUERY])}
         res["idle"] = mixed.idle_latency(kinds, n)
         say("mixed", "idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()))
@@ -689,7 +706,7 @@ def suite_mixed(run: Run, res: dict) -> None:
         for load in mixed.LOADS:
             say("mixed", f"{load}:")
             how, batches = mixed.bulk_batches(windows, load, 4 * run.data_parallel_size)
-            sender = vllm_ids_sender if how == "ids" else vllm_text_sender
+            sender = partial(vllm_ids_sender, ids_api=run.ids_api) if how == "ids" else vllm_text_sender
             row = res["loads"][load] = mixed.run_load(kinds, sender, endpoint, batches, n=n,
                                                       log=lambda m: say("mixed", m))
             row["goal"] = mixed.verdict(res["idle"], row["loaded"], row["bulk_kept"])
@@ -852,6 +869,8 @@ def arg_parser() -> argparse.ArgumentParser:
                         "runs 4 client processes per replica (perf/bench_scaling.py's counterpart)")
     p.add_argument("--scoring-inputs", default="template", choices=["template", "windows"],
                    help="template: official Qwen3-Reranker prompts; windows: bench_server.py's plain windows")
+    p.add_argument("--ids-api", default="pooling", choices=sorted(IDS_APIS),
+                   help="where the server suites send token ids: /pooling (task embed) or /v1/embeddings")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, HF in place of vLLM, no server")
     p.add_argument("--verbose", action="store_true", help="echo every line of the suites' logs (vLLM's too)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -886,7 +905,8 @@ def main() -> None:
     t0 = time.perf_counter()
     run = Run(workdir=str(workdir), plan=plan, embed_folders={}, rerank_folder="", dry_run=args.dry_run,
               gpu_memory_utilization=args.gpu_memory_utilization, scoring_inputs=args.scoring_inputs,
-              suites=tuple([n for n in names if n != "reference"]), data_parallel_size=args.data_parallel_size)
+              suites=tuple([n for n in names if n != "reference"]), data_parallel_size=args.data_parallel_size,
+              ids_api=args.ids_api)
     folders = {m: str(model_folder(plan.for_model(m, args.dry_run).embed_model, workdir)) for m in run.embed_models()}
     rerank_folder = str(model_folder(plan.rerank_model, workdir)) if "scoring" in args.suites else ""
     run = replace(run, embed_folders=folders, rerank_folder=rerank_folder)

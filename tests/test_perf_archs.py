@@ -61,3 +61,46 @@ def test_vllm_plans(name):
     assert (full.check_length, full.conc_length, full.max_model_len) == (512, 512, 8192)
     assert (dry.embed_model, dry.lat_lengths, dry.tput_lengths, dry.max_model_len) == (dry_twin(name), (128,), (128,), 512)
     assert bench_vllm.split_suite(bench_vllm.keyed("server", name)) == ("server", name)
+
+
+def test_vllm_client_sends_token_ids_where_asked():
+    """Token ids go to /pooling (task "embed", the `data` field back) by default, to /v1/embeddings
+    (`embedding`) with --ids-api embeddings; texts always to /v1/embeddings."""
+    import base64
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import numpy as np
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, body))
+            field = "data" if self.path == "/pooling" else "embedding"
+            vec = base64.b64encode(np.arange(3, dtype="<f4").tobytes()).decode()
+            out = json.dumps({"data": [{"index": i, field: vec} for i in range(len(body["input"]))]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ids = [np.array([5, 6, 7]), np.array([8])]
+        for api, path in (("pooling", "/pooling"), ("embeddings", "/v1/embeddings")):
+            client = bench_vllm.HttpClient(*server.server_address, api)
+            assert client.embed_ids(ids).tolist() == [[0.0, 1.0, 2.0]] * 2
+            assert seen[-1][0] == path and seen[-1][1]["input"] == [[5, 6, 7], [8]]
+            assert seen[-1][1].get("task") == ("embed" if api == "pooling" else None)
+            client.embed(["a text"])
+            assert seen[-1][0] == "/v1/embeddings"
+    finally:
+        server.shutdown()
+    assert bench_vllm.arg_parser().parse_args([]).ids_api == "pooling"
