@@ -66,16 +66,20 @@ archs_perf() {  # MODEL TAG: pergola's server suites, then vLLM 0.22's inproc + 
 }
 
 vllm_server_suite() {  # SITE NAME: vLLM's server suite from SITE on Qwen3's and both architectures' shapes
-  # (VLLM_MODELS to choose), in the shared workdir pergola's archs steps use; writes NAME.json / NAME.log
-  local site=$1 name=$2
+  # (VLLM_MODELS to choose), in the shared workdir pergola's archs steps use; writes NAME.json / NAME.log.
+  # Token ids go to vLLM's /pooling; VLLM_IDS_API=embeddings sends them to /v1/embeddings instead
+  local site=$1 name=$2 stamp
+  stamp=$(mktemp)  # the server logs this step writes are newer than it
   # shellcheck disable=SC1090,SC1091
   # shellcheck disable=SC2086
   (source "$site/env.sh" && run "$name" python3 perf/bench_vllm.py --vllm-site "$site" \
-    --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --workdir /tmp/pergola-archs \
+    --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --ids-api "${VLLM_IDS_API:-pooling}" \
+    --workdir /tmp/pergola-archs \
     --out "$OUT/$name.json")
   for log in /tmp/pergola-archs/vllm_*_embed.log; do  # vLLM's own server logs: its engine and kernel choices
-    [[ -f $log ]] && cp "$log" "$OUT/${name}_$(basename "$log")"
+    [[ $log -nt $stamp ]] && cp "$log" "$OUT/${name}_$(basename "$log")"
   done
+  rm -f "$stamp"
 }
 
 for step in "$@"; do
