@@ -128,6 +128,14 @@ CASES: list[tuple[str, str, dict, int, Callable[[Any, Context], bool] | None]] =
     ("oversize max_tokens refused", "/v1/embeddings", {"model": "mini", "input": TEXT, "max_tokens": 8193}, 400,
      lambda o, c: o["error"]["param"] == "max_tokens" and "256" in o["error"]["message"]),
     ("type error is 400 on OpenAI's route", "/v1/embeddings", {"model": "mini", "input": 5}, 400, refused("`input`")),
+    # --- vLLM: /pooling, the embed task (pooling/pooling/protocol.py's answer: data[i].data) ---
+    ("vllm pooling token ids", "/pooling", {"model": "mini", "input": ["IDS"] * 2, "task": "embed"}, 200,
+     lambda o, c: [d["object"] for d in o["data"]] == ["pooling"] * 2 and o["usage"]["prompt_tokens"] == 2 * c.tokens(TEXT)
+     and c.close([d["data"] for d in o["data"]], [TEXT] * 2)),
+    ("vllm pooling text, default task, base64", "/pooling", {"model": "mini", "input": [TEXT, PT], "encoding_format": "base64"},
+     200, lambda o, c: c.close([b64(d["data"], "<f4") for d in o["data"]], [TEXT, PT])),
+    ("vllm pooling other task refused", "/pooling", {"model": "mini", "input": TEXT, "task": "token_embed"}, 400,
+     lambda o, c: o["error"]["param"] == "task" and "token_embed" in message(o)),
     ("vllm invocations embeddings", "/invocations", {"model": "mini", "input": TEXT, "encoding_format": "float"}, 200,
      lambda o, c: o["object"] == "list" and c.close(vectors(o), [TEXT])),
     ("vllm tokenize prompt", "/tokenize", {"model": "mini", "prompt": TEXT}, 200,

@@ -2,7 +2,7 @@
 
 Routes and their families (error envelopes): OpenAI /v1/embeddings (TEI's alias /embeddings),
 /v1/models; Cohere/Jina /v1/rerank, /v2/rerank, Cohere /v2/embed, /v1/embed; NIM /v1/ranking;
-vLLM /classify, /score, /detokenize; TEI /embed, /embed_sparse, /embed_all, /predict, /similarity,
+vLLM /classify, /pooling (the embed task), /score, /detokenize; TEI /embed, /embed_sparse, /embed_all, /predict, /similarity,
 /decode, /vertex, /info, /health (/ping, GET /); by the body: /rerank (TEI's `texts` or Cohere's
 `documents`), /tokenize (TEI's `inputs` or vLLM's `prompt`), POST / (TEI's, by the served model's
 task) and /invocations (SageMaker's: any of them); OpenAI's /v1/files and /v1/batches
@@ -102,6 +102,7 @@ def build_app(opts: GatewayOptions) -> Starlette:
         route("/embed_all", "tei", tei_api.embed_all),  # bge-m3's ColBERT vectors
         route("/predict", "tei", tei_api.predict),
         route("/classify", "openai", classify_api.classify),  # vLLM's form
+        route("/pooling", "openai", openai_api.pooling),  # vLLM's, the embed task
         route("/score", "openai", vllm_api.score),  # vLLM's
         route("/v1/score", "openai", vllm_api.score),
         route("/detokenize", "openai", vllm_api.detokenize),

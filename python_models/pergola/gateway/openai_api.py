@@ -1,4 +1,5 @@
-"""OpenAI's embeddings API: `POST /v1/embeddings`, `GET /v1/models`.
+"""OpenAI's embeddings API: `POST /v1/embeddings`, `GET /v1/models`; and vLLM's `POST /pooling` for
+the embed task, which takes the same request and answers in vLLM's pooling form.
 
 `input` is a string, a list of strings, a list of token ids or a list of such lists (token ids
 go straight to NAME_encoder). Besides OpenAI's fields (`model`, `dimensions`, `encoding_format`
@@ -16,6 +17,8 @@ int8). base64 carries the little-endian bytes of each row in that type.
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -79,15 +82,42 @@ def embed_request(body: Body, embedding_type: str) -> EmbedRequest:
                         encoding=EMBEDDING_TYPES[embedding_type][0])
 
 
+def wire_rows(values: np.ndarray, as_base64: bool) -> np.ndarray | list[str]:
+    """`values` [n, dim]: a row per input, base64 of its bytes or the numbers themselves."""
+    return [base64.b64encode(row.tobytes()).decode() for row in values] if as_base64 else values
+
+
 def embeddings_answer(name: str, values: np.ndarray, as_base64: bool, tokens: int) -> dict[str, Any]:
     """The answer's JSON content: `values` [n, dim] a row per input (base64 of its bytes, or the numbers)."""
-    rows = [base64.b64encode(row.tobytes()).decode() for row in values] if as_base64 else values
     return {"object": "list", "model": name,
-            "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
+            "data": [{"object": "embedding", "index": i, "embedding": row}
+                     for i, row in enumerate(wire_rows(values, as_base64))],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def embeddings(gw: Gateway, request: Request) -> Response:
+def pooling_answer(name: str, values: np.ndarray, as_base64: bool, tokens: int) -> dict[str, Any]:
+    """vLLM's /pooling answer: each input's row under `data[i].data`."""
+    return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
+            "data": [{"index": i, "object": "pooling", "data": row} for i, row in enumerate(wire_rows(values, as_base64))],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def pooling(gw: Gateway, request: Request) -> Response:
+    """vLLM's `POST /pooling` with `task` "embed" (its default for an embedding model): the fields of
+    /v1/embeddings, vLLM's answer. Its other tasks have routes of their own here: /classify, /embed_all."""
+    body = await gw.body(request, ids_field="input")
+    task = body.get("task", str, "embed")
+    if task != "embed":
+        raise bad_request(f"/pooling serves `task` \"embed\" here, got {quote(task)}: /classify classifies, "
+                          "/embed_all gives bge-m3's per-token vectors", "task")
+    if body.data.get("chunking") is not None:
+        raise bad_request("`chunking` is a field of /v1/embeddings", "chunking")
+    return await embeddings(gw, request, pooling_answer)
+
+
+async def embeddings(gw: Gateway, request: Request,
+                     shape: Callable[[str, np.ndarray, bool, int], dict[str, Any]] = embeddings_answer) -> Response:
+    """`shape`: the answer's JSON (OpenAI's, or vLLM's pooling form)."""
     body = await gw.body(request, ids_field="input")
     model = await gw.model(body.get("model", str), "embed")
     pooling = Pooling.of(body, model)  # vLLM's fields (vllm_api.py)
@@ -130,7 +160,7 @@ async def embeddings(gw: Gateway, request: Request) -> Response:
     values = EMBEDDING_TYPES[embedding_type][1](out.vectors)
     if encoding_format == "base64":
         values = pooling.wire(values)
-    return await answer(gw.offload, values.size, embeddings_answer, model.name, values, encoding_format == "base64",
+    return await answer(gw.offload, values.size, shape, model.name, values, encoding_format == "base64",
                         int(out.tokens.sum()))
 
 
