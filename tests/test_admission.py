@@ -450,7 +450,7 @@ def test_a_failed_chunk_cancels_its_siblings(busy_server, gateway_with):
     gw = gateway_with(*PATIENT)
     before = settled(busy_server, quiet_s=1.5)
     with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(embed, gw, ids(32))
+        held = pool.submit(embed, gw, ids(16))
         time.sleep(0.3)
         status, body, _ = embed(gw, prose(64, 60, seed=7) + prose(1, 400, seed=8), truncate="NONE")
         assert held.result()[0] == 200
