@@ -48,7 +48,8 @@ Suites, each in its own process (a crash or leaked GPU memory cannot touch the n
   inproc     LLM(runner="pooling"): batch-1 sequential latency at 128/512/4096 tokens (llm.embed,
              pre-tokenized), throughput of 100 texts per call at 512/1024/4096
   server     vLLM's OpenAI-compatible server with real HTTP clients: latency (pre-tokenized, to
-             /pooling with task "embed"; --ids-api embeddings: /v1/embeddings), throughput (batch 100, four client processes behind a barrier),
+             /pooling with task "embed"; --ids-api embeddings: /v1/embeddings), throughput (batch
+             100, four client processes behind a barrier),
              concurrency (512-token text, batch 1, 1/2/4/8/16 in flight: tokenization and the
              network hop count)
   scoring    the Qwen3-Reranker shape, loaded as vLLM documents it (a one-logit classifier from the
@@ -394,7 +395,8 @@ class VllmServer:
 # token by token: ~10 µs a token on the server's event loop before vLLM's handler runs, ~100,000 tokens/s
 # for all clients together (perf/results/2026-12-07-1ddb3b5/NOTES.md). /pooling's body is the same in 0.22
 # and 0.25 and builds the same embedding request, so it measures the engine in both.
-IDS_APIS = {"pooling": ("/pooling", "data"), "embeddings": ("/v1/embeddings", "embedding")}
+# name -> (path, the answer's field of each row, further body fields)
+IDS_APIS = {"pooling": ("/pooling", "data", {"task": "embed"}), "embeddings": ("/v1/embeddings", "embedding", {})}
 
 
 class HttpClient:
@@ -403,7 +405,7 @@ class HttpClient:
 
     def __init__(self, host: str, port: int, ids_api: str = "pooling") -> None:
         self.host, self.port = host, port
-        self.ids_path, self.ids_field = IDS_APIS[ids_api]
+        self.ids_path, self.ids_field, self.ids_fields = IDS_APIS[ids_api]
         self.conn = http.client.HTTPConnection(host, port, timeout=300)
 
     def post(self, path: str, body: dict) -> dict:
@@ -423,16 +425,15 @@ class HttpClient:
         return json.loads(payload)
 
     def embed(self, inputs: list, path: str = "/v1/embeddings", field: str = "embedding",
-              **extra: str) -> np.ndarray:
+              extra: dict[str, str] | None = None) -> np.ndarray:
         """`inputs`: strings (the server tokenizes) or token-id lists. -> [n, dim]."""
         out = self.post(path, {"model": SERVED_NAME, "input": inputs, "encoding_format": "base64",
-                               "embed_dtype": "float32", "endianness": "little", **extra})
+                               "embed_dtype": "float32", "endianness": "little", **(extra or {})})
         rows = sorted(out["data"], key=lambda d: d["index"])
         return np.stack([np.frombuffer(base64.b64decode(d[field]), dtype="<f4") for d in rows])
 
     def embed_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
-        extra = {"task": "embed"} if self.ids_path == "/pooling" else {}
-        return self.embed([s.tolist() for s in seqs], self.ids_path, self.ids_field, **extra)
+        return self.embed([s.tolist() for s in seqs], self.ids_path, self.ids_field, self.ids_fields)
 
     def classify_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
         """POST /classify with token-id lists (no tokenization, no template): [n] scores."""
@@ -615,8 +616,7 @@ def suite_server(run: Run, res: dict) -> None:
         for length in plan.tput_lengths:
             procs = 4 * run.data_parallel_size  # as bench_scaling.py: four client processes per GPU
             row = {"vllm": run_http_throughput(server.host, server.port, run.ids_api, windows, length,
-                                               plan.requests_per_proc,
-                                               procs)}
+                                               plan.requests_per_proc, procs)}
             res["throughput"][length] = row
             say(name, f"throughput 100 x {length} tok, {procs} procs: {row['vllm']['embeddings_per_s']:.0f} emb/s")
         texts = windows.texts(plan.conc_length, 64, seed=3)  # bench_server.py's texts
@@ -680,10 +680,14 @@ def vllm_text_sender(host: str, port: int) -> Callable[[list[str]], np.ndarray]:
     return HttpClient(host, port).embed
 
 
-def _vllm_query(host: str, port: int, payload: list, ids_api: str | None = None) -> Callable[[], np.ndarray]:
-    """A batch-1 query: texts to /v1/embeddings, or token-id arrays to `ids_api` (IDS_APIS)."""
-    client = HttpClient(host, port, ids_api or "pooling")
-    return (lambda: client.embed_ids(payload)) if ids_api else (lambda: client.embed(payload))
+def _vllm_query(host: str, port: int, texts: list[str]) -> Callable[[], np.ndarray]:
+    client = HttpClient(host, port)
+    return lambda: client.embed(texts)
+
+
+def _vllm_ids_query(host: str, port: int, ids_api: str, seqs: list[np.ndarray]) -> Callable[[], np.ndarray]:
+    client = HttpClient(host, port, ids_api)
+    return lambda: client.embed_ids(seqs)
 
 
 def suite_mixed(run: Run, res: dict) -> None:
@@ -698,7 +702,7 @@ def suite_mixed(run: Run, res: dict) -> None:
     with VllmServer(run.embed_folder, run, Path(run.workdir) / "vllm_mixed.log") as server:
         res["server_command"] = " ".join(server.cmd)
         endpoint = (server.host, server.port)
-        kinds = {"http_ids_128": partial(_vllm_query, *endpoint, [windows.ids(128, 1, seed=128)[0]], run.ids_api),
+        kinds = {"http_ids_128": partial(_vllm_ids_query, *endpoint, run.ids_api, [windows.ids(128, 1, seed=128)[0]]),
                  "http_text": partial(_vllm_query, *endpoint, [mixed.QUERY])}
         res["idle"] = mixed.idle_latency(kinds, n)
         say("mixed", "idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()))

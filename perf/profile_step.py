@@ -64,6 +64,7 @@ def kernel_grids(engine: Engine, seqs) -> str:
         lines.append(f"{name:70} {ctas:6d} {len(durs):4d} {sum(durs) / len(durs):8.2f} {sum(durs):9.1f}")
     return "\n".join(lines)
 
+
 def covered_us(spans: list[tuple[float, float]]) -> float:
     """The time at least one kernel runs, from sorted (start, end) spans: kernels launched with
     programmatic dependent launch overlap the one before, so their durations' sum counts twice."""

@@ -420,7 +420,7 @@ def answered_499(gw) -> float:
 
 def test_a_client_that_leaves_has_none_of_its_work_computed(busy_server, gateway_with):
     """8,192 token ids in the encoder (8 steps of the CPU's 1,024-token budget: seconds, past the
-    client's leaving, on a fast core too; 4,096 ended first on one); behind them 40 texts of 200
+    client's leaving at 1.3 s on a fast core too); behind them 40 texts of 200
     words (more work: least work first runs the ids first), tokenized and queued, whose client then
     leaves. The gateway cancels its call (gRPC), the encoder drops it: the counter rises by the ids'
     tokens only. (Through the embed ensemble over HTTP, as before, all of it was computed.)"""

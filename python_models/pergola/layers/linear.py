@@ -165,11 +165,12 @@ if HAVE_TRITON:
         # SPLIT > 1 (split-K, for small M): program (n, m, s) sums K slice s into fp32 partials
         # ws [SPLIT, 2, M, N] (int32 offsets: the host keeps it under 2^31 elements); the last of a
         # tile's SPLIT programs to arrive (count_ptr, one int32 per output tile, left at 0 again)
-        # adds the partials in slice order and runs the epilogue. Why: at M <= 64 an [M, 1024] product has 16-32 output tiles for 132
-        # SMs; split over K its weight streams from 2-4x as many, with no second kernel to add the
-        # partials (cuBLAS's split-K runs one). The fixed order keeps the result independent of
-        # which program arrives last. Measured: it wins for down at M <= 64 only; matmuls of this
-        # size are bound by launch and ramp more than by bytes (perf/results/2026-12-07-7da946c/).
+        # adds the partials in slice order and runs the epilogue. Why: at M <= 64 an [M, 1024]
+        # product has 16-32 output tiles for 132 SMs; split over K its weight streams from 2-4x as
+        # many, with no second kernel to add the partials (cuBLAS's split-K runs one). The fixed
+        # order keeps the result independent of which program arrives last. Measured on an H100:
+        # down alone at M <= 64 ran up to 15% faster, the forward no faster than on cuBLAS
+        # (perf/results/2026-12-07-1ddb3b5/NOTES.md).
         # PDL (launched with programmatic dependent launch): the next kernel may be scheduled at
         # once, and this one's weight slice (which no earlier kernel writes) is prefetched into L2
         # while the kernel before it runs; everything that reads an activation or writes comes after
