@@ -438,3 +438,51 @@ def test_triton_matmuls_change_nothing_in_the_model(qwen3_folders, tmp_path, mon
     # traced twice: warm-up and capture
     assert calls == {"plain": 3 * 2 * layers, "gated": 2 * layers, "tma": 2 * 2 * layers, "split": 2 * layers,
                      "accumulate": 2 * 2 * layers}
+
+
+def test_l2_prefetch_kernel_reads_nothing_wrong_at_any_size():
+    """prefetch_l2 over weights whose sizes end mid-line, in 8, 16 and 32 bits, eagerly and
+    inside a CUDA graph on a side stream (as L2Prefetch launches it): no fault, nothing changed."""
+    from pergola.layers.prefetch import prefetch_l2
+
+    tensors = [torch.randn(n, device="cuda", dtype=dt) for n, dt in
+               ((1, torch.bfloat16), (63, torch.bfloat16), (64 * 1024 + 5, torch.bfloat16),
+                (1000, torch.float32), (3 * 1024 * 1024, torch.bfloat16))]
+    tensors.append(torch.randn(4097, device="cuda").to(torch.float8_e4m3fn))
+    before = [t.clone() for t in tensors]
+    for t in tensors:
+        prefetch_l2(t)
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    main = torch.cuda.Stream()
+    with torch.cuda.stream(main):
+        graph.capture_begin()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for t in tensors:
+                prefetch_l2(t)
+        main.wait_stream(side)
+        graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, b in zip(tensors, before):
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_l2_prefetch_changes_no_bits_in_the_model(qwen3_folders):
+    """Qwen3-0.6B's shape with and without the prefetch of small steps: the same bits, eagerly, at
+    capture and on replay; the prefetcher launched its kernels (at every step of at most 512 tokens)."""
+    folder = qwen3_folders["causal-last"]
+    off = Engine(EngineConfig(model_dir=str(folder), device="cuda", l2_prefetch_tokens=0))
+    on = Engine(EngineConfig(model_dir=str(folder), device="cuda", l2_prefetch_tokens=512))
+    assert off.runner.prefetch is None and on.runner.prefetch is not None
+    modes = []
+    for _ in range(3):  # the same mode on both engines: warm-up, capture, replay
+        expected = embed(off, TEXTS)
+        assert np.array_equal(embed(on, TEXTS), expected)
+        assert on.runner.last_mode == off.runner.last_mode
+        modes.append(on.runner.last_mode)
+    assert modes == ["warmup", "capture", "replay"]
+    assert on.runner.prefetch.launches > 0
+    single = np.concatenate([embed(on, [t]) for t in TEXTS])
+    assert cosine_rows(single, expected).min() >= 0.999
