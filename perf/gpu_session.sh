@@ -238,16 +238,6 @@ for step in "$@"; do
       run profile_fold python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid
       run profile_nofold python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid \
         --option fold_norms=False ;;
-    prefetch)  # small steps' L2 weight prefetch on (512) and off (0): one 16-, 128- and 512-token forward's
-      # kernels, then batch-1 latency through Triton with it off (`batch1` has it on) (~3 min)
-      for len in 16 128 512; do
-        for pf in 512 0; do
-          run "profile_1x${len}_prefetch$pf" python3 perf/profile_step.py --seqs 1 --length "$len" --steps 3 --grid \
-            --workdir /tmp/pergola-profile --option "l2_prefetch_tokens=$pf"
-        done
-      done
-      run batch1_noprefetch python3 perf/bench_server.py --model qwen3-0.6b --suites latency perf_analyzer \
-        --latency-n 100 --option l2_prefetch_tokens=0 --out "$OUT/server_batch1_noprefetch.json" ;;
     kernels)  # the kernels and GPU busy time of one batch-1 128-token forward, as shipped (~20 s)
       run profile_1x128 python3 perf/profile_step.py --seqs 1 --length 128 --steps 3 --grid ;;
     fp8_server)  # FP8 through tritonserver: batch-1 latency and the throughput suite, beside `server`'s BF16

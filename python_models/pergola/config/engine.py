@@ -73,9 +73,6 @@ class EngineConfig:
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cuda_graph_max_tokens: int = option(CUDA_GRAPH_MAX_TOKENS, "steps with more tokens run eagerly (the "
                                                                "launch-vs-GPU-time crossover)")
-    l2_prefetch_tokens: int = option(512, "steps of at most this many tokens on a GPU ask for each projection's "
-                                          "weight in L2 ahead of its matmul, on a side stream (small steps wait "
-                                          "on HBM; docs/gpu.md: L2 prefetch); 0: never")
     matmul: str = option("auto", "auto: Triton tiles where they measured faster on this GPU (a built-in "
                                  "H100/H200 table), else cuBLAS; cublas; or a tile-table JSON from "
                                  "perf/bench_gemm.py --write-tiles", metavar="auto|cublas|FILE")
@@ -129,8 +126,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.fp8_bf16_layers < 0:
             raise ValueError(f"fp8_bf16_layers must be 0 or positive, got {self.fp8_bf16_layers}")
-        if self.l2_prefetch_tokens < 0:
-            raise ValueError(f"l2_prefetch_tokens must be 0 (off) or positive, got {self.l2_prefetch_tokens}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be 0 (auto) or positive, got {self.cpu_threads}")
         if self.max_queue_seconds < 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -26,8 +26,7 @@ from pergola.engine.lazy import LazyTensor
 from pergola.layers.attention import AttentionBackend, AttentionMetadata, make_backend
 from pergola.layers.attention_probe import ProbeResult
 from pergola.layers.attention_probe import probe as probe_attention
-from pergola.layers.linear import Linear, tiles_for
-from pergola.layers.prefetch import L2Prefetch, l2_prefetch
+from pergola.layers.linear import tiles_for
 from pergola.models.loader import build_model
 from pergola.outputs.heads import HEAD_TASKS
 from pergola.outputs.pooling import TokenHeads, pool
@@ -182,10 +181,6 @@ class ModelRunner:
         elif device.type == "cuda":
             self._plain_results = [torch.empty(cfg.max_batch_seqs + 1, self.out_dim, pin_memory=True) for _ in range(2)]
         self._between_layers_hooks()
-        # Small steps' weights pulled into L2 ahead of their matmuls (lane steps of at most l2_prefetch_tokens).
-        self.prefetch: L2Prefetch | None = None
-        if self.lanes and cfg.l2_prefetch_tokens > 0:
-            self.prefetch = l2_prefetch(self.transformer_layers(), Linear, device)
         log.info("runner ready: %s", self.startup_line())
 
     def _lane(self, max_tokens: int, index: int) -> Lane:
@@ -201,15 +196,11 @@ class ModelRunner:
         results = [torch.empty(max_seqs, self.out_dim, pin_memory=True) for _ in range(2)]
         return Lane(buffers, graphs, results, {})
 
-    def transformer_layers(self) -> torch.nn.ModuleList | None:
-        """The model's list of transformer layers (the ModuleList of num_hidden_layers modules)."""
-        return next((m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)
-                     and len(m) == self.spec.hf_config.get("num_hidden_layers")), None)
-
     def _between_layers_hooks(self) -> None:
         """Call `layer_hook` after each transformer layer of an armed (lane-0 eager) step: the
         encode loop throttles the host there and slips queries' steps in (engine/loop.py)."""
-        layers = self.transformer_layers()
+        layers = next((m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)
+                       and len(m) == self.spec.hf_config.get("num_hidden_layers")), None)
         if layers is None:
             return
 
@@ -348,13 +339,11 @@ class ModelRunner:
         that step size, with the plan step() made for the key (kept by the graph for its replays).
         """
         buffers = self.lanes[lane].buffers
-        graphed = attn is None
-        if graphed:
+        if attn is None:
             attn, plan = self.graph_backend(t), self.lanes[lane].plans[(s, t)]
         # In a graph the longest sequence is unknown at capture: t bounds it.
         b = self._with_segments(buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan), segments)
-        with self._prefetching(t, graphed):
-            pooled, tokens, sums = self.forward(b, attn)
+        pooled, tokens, sums = self.forward(b, attn)
         buffers.pooled[:s].copy_(pooled)
         if tokens is not None:
             buffers.tokens[:t].copy_(tokens)
@@ -407,13 +396,6 @@ class ModelRunner:
             self.last_mode = "eager"
         rows = ln.buffers.tokens[:num_tokens, :token_columns] if token_columns else None
         return self._lazy(ln.buffers.pooled[:num_seqs], ln, rows, sums)
-
-    def _prefetching(self, num_tokens: int, graphed: bool):
-        """L2 prefetch of the weights for a graph step of `num_tokens` (padded) tokens, where it gains
-        (an eager step would pay the prefetch kernels' launches on the host, which bounds it)."""
-        if self.prefetch is None:
-            return nullcontext()
-        return self.prefetch.step(graphed and num_tokens <= self.cfg.l2_prefetch_tokens)
 
     @contextmanager
     def _armed(self, on: bool):

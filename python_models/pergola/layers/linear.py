@@ -463,8 +463,6 @@ class Linear(nn.Module):
         self.register_buffer("weight_scale", None)  # [1, out] fp32 once the weight is FP8
         self.register_buffer("split_counters", None, persistent=False)  # int32, where a tile splits K
         self.tiles: TileRows = ()  # cuBLAS until select_tiles
-        # Called as this matmul is launched: small steps' L2 prefetcher (pergola.layers.prefetch).
-        self.prefetch_hook: Callable[[], None] | None = None
 
     @property
     def output_columns(self) -> int:
@@ -494,7 +492,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] -> [M, out]; residual [M, out]: the product is added to it in place (`linear`).
         An FP8 projection also takes x already quantized (Fp8Rows)."""
-        self._prefetch()
         if self.weight_scale is not None:  # FP8: the bias rides in the matmul, the residual is one add
             y = fp8_linear(x, self.weight, self.weight_scale, self.bias)
             return y if residual is None else residual.add_(y)
@@ -502,10 +499,6 @@ class Linear(nn.Module):
             y = F.linear(x, self.weight, self.bias)
             return y if residual is None else residual.add_(y)
         return linear(x, self.weight, residual, self.tile(x), self.split_counters)
-
-    def _prefetch(self) -> None:
-        if self.prefetch_hook is not None:
-            self.prefetch_hook()
 
     def activated(self, x: torch.Tensor, act: str) -> torch.Tensor:
         """ACTIVATIONS[act](x @ W^T + b): [M, in] -> [M, out].
@@ -520,7 +513,6 @@ class Linear(nn.Module):
         """
         if (act in GELU_EPILOGUE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
                 and self.bias is not None and self.weight_scale is None):
-            self._prefetch()
             return torch._addmm_activation(self.bias, x, self.weight.t(), use_gelu=True)
         return ACTIVATIONS[act](self(x))
 
@@ -559,7 +551,6 @@ class GateUpLinear(MergedLinear):
         """In FP8, silu(gate) * up comes out quantized for the down projection (Fp8Rows): SiLU,
         the product and the quantization are one kernel and [M, I] never goes to memory in BF16.
         pending: x is the raw residual stream and the weight holds the norm's gain (`gated_linear`)."""
-        self._prefetch()
         if self.weight_scale is not None:
             if pending is not None:
                 raise ValueError("an FP8 gate_up projection does not take a folded norm")
