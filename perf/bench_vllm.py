@@ -48,7 +48,7 @@ Suites, each in its own process (a crash or leaked GPU memory cannot touch the n
   inproc     LLM(runner="pooling"): batch-1 sequential latency at 128/512/4096 tokens (llm.embed,
              pre-tokenized), throughput of 100 texts per call at 512/1024/4096
   server     vLLM's OpenAI-compatible server with real HTTP clients: latency (pre-tokenized, to
-             /pooling with task "embed"; --ids-api embeddings: /v1/embeddings), throughput (batch
+             /v1/embeddings; --ids-api pooling: /pooling with task "embed"), throughput (batch
              100, four client processes behind a barrier),
              concurrency (512-token text, batch 1, 1/2/4/8/16 in flight: tokenization and the
              network hop count)
@@ -206,7 +206,7 @@ class Run:
     suites: tuple[str, ...]  # the children to run after the reference
     embed_model: str = MODELS[0]  # the --models name that plan and embed_folder are for
     data_parallel_size: int = 1  # vLLM's server replicas, one per GPU (--data-parallel-size)
-    ids_api: str = "pooling"  # where the server suites send token-id lists (IDS_APIS, --ids-api)
+    ids_api: str = "embeddings"  # where the server suites send token-id lists (IDS_APIS, --ids-api)
 
     def save(self) -> None:
         (Path(self.workdir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
@@ -390,11 +390,12 @@ class VllmServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-# Where token-id lists go (--ids-api): vLLM's /pooling with task "embed" (the default), or its OpenAI
-# /v1/embeddings. vLLM 0.25 made /v1/embeddings' body a union with chat-message inputs that pydantic checks
-# token by token: ~10 µs a token on the server's event loop before vLLM's handler runs, ~100,000 tokens/s
-# for all clients together (perf/results/2026-12-07-1ddb3b5/NOTES.md). /pooling's body is the same in 0.22
-# and 0.25 and builds the same embedding request, so it measures the engine in both.
+# Where token-id lists go (--ids-api): each vLLM version's faster route. vLLM's OpenAI /v1/embeddings (the
+# default: the seeds' baseline, 0.22, answers there fastest) or /pooling with task "embed". vLLM 0.25 made
+# /v1/embeddings' body a union with chat-message inputs that pydantic checks token by token: ~10 µs a token
+# on the server's event loop before vLLM's handler runs, ~100,000 tokens/s for all clients together
+# (perf/results/2026-12-07-1ddb3b5/NOTES.md), so 0.25 is measured through /pooling; 0.22's /pooling added
+# ~3.5 ms a request at batch 1 (perf/results/2026-12-07-d169878/NOTES.md).
 # name -> (path, the answer's field of each row, further body fields)
 IDS_APIS = {"pooling": ("/pooling", "data", {"task": "embed"}), "embeddings": ("/v1/embeddings", "embedding", {})}
 
@@ -403,7 +404,7 @@ class HttpClient:
     """One keep-alive HTTP/1.1 connection (stdlib http.client), JSON in, base64 float32 embeddings out.
     ids_api: the IDS_APIS entry token-id lists go to (texts always go to /v1/embeddings)."""
 
-    def __init__(self, host: str, port: int, ids_api: str = "pooling") -> None:
+    def __init__(self, host: str, port: int, ids_api: str = "embeddings") -> None:
         self.host, self.port = host, port
         self.ids_path, self.ids_field, self.ids_fields = IDS_APIS[ids_api]
         self.conn = http.client.HTTPConnection(host, port, timeout=300)
@@ -672,7 +673,7 @@ def suite_scoring_server(run: Run, res: dict) -> None:
 
 
 # --- mixed traffic: perf/mixed.py's driver against vLLM's server (bench_mixed.py runs pergola's) --------
-def vllm_ids_sender(host: str, port: int, ids_api: str = "pooling") -> Callable[[list[np.ndarray]], np.ndarray]:
+def vllm_ids_sender(host: str, port: int, ids_api: str = "embeddings") -> Callable[[list[np.ndarray]], np.ndarray]:
     return HttpClient(host, port, ids_api).embed_ids
 
 
@@ -873,8 +874,9 @@ def arg_parser() -> argparse.ArgumentParser:
                         "runs 4 client processes per replica (perf/bench_scaling.py's counterpart)")
     p.add_argument("--scoring-inputs", default="template", choices=["template", "windows"],
                    help="template: official Qwen3-Reranker prompts; windows: bench_server.py's plain windows")
-    p.add_argument("--ids-api", default="pooling", choices=sorted(IDS_APIS),
-                   help="where the server suites send token ids: /pooling (task embed) or /v1/embeddings")
+    p.add_argument("--ids-api", default="embeddings", choices=sorted(IDS_APIS),
+                   help="where the server suites send token ids: /v1/embeddings, or /pooling (task embed; "
+                        "vLLM 0.25's faster route)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, HF in place of vLLM, no server")
     p.add_argument("--verbose", action="store_true", help="echo every line of the suites' logs (vLLM's too)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -65,15 +65,16 @@ archs_perf() {  # MODEL TAG: pergola's server suites, then vLLM 0.22's inproc + 
     --suites inproc server --workdir "$workdir" --out "$OUT/vllm_$tag.json")
 }
 
-vllm_server_suite() {  # SITE NAME: vLLM's server suite from SITE on Qwen3's and both architectures' shapes
+vllm_server_suite() {  # SITE NAME IDS_API: vLLM's server suite from SITE on Qwen3's and both architectures' shapes
   # (VLLM_MODELS to choose), in the shared workdir pergola's archs steps use; writes NAME.json / NAME.log.
-  # Token ids go to vLLM's /pooling; VLLM_IDS_API=embeddings sends them to /v1/embeddings instead
-  local site=$1 name=$2 stamp
+  # Token ids go to IDS_API, each version's faster route (VLLM_IDS_API overrides; bench_vllm.py's IDS_APIS
+  # says why): 0.22's /v1/embeddings, 0.25's /pooling
+  local site=$1 name=$2 ids_api=${VLLM_IDS_API:-$3} stamp
   stamp=$(mktemp)  # the server logs this step writes are newer than it
   # shellcheck disable=SC1090,SC1091
   # shellcheck disable=SC2086
   (source "$site/env.sh" && run "$name" python3 perf/bench_vllm.py --vllm-site "$site" \
-    --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --ids-api "${VLLM_IDS_API:-pooling}" \
+    --models ${VLLM_MODELS:-qwen3-0.6b bge-m3 gte-modernbert} --suites server --ids-api "$ids_api" \
     --workdir /tmp/pergola-archs \
     --out "$OUT/$name.json")
   for log in /tmp/pergola-archs/vllm_*_embed.log; do  # vLLM's own server logs: its engine and kernel choices
@@ -279,14 +280,14 @@ for step in "$@"; do
       done ;;
     vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~7 min;
       # VLLM_MODELS="qwen3-0.6b": Qwen3's alone, ~2 min)
-      vllm_server_suite /tmp/vllm-site vllm_server ;;
+      vllm_server_suite /tmp/vllm-site vllm_server embeddings ;;
     vllm025_smoke)  # vLLM 0.25.0 (scripts/vllm_setup.sh .bundle/vllm0250_partN first): import, version and one
       # in-process embed of the Qwen3-0.6B shape within 60 s, before vllm025_server spends minutes
       # shellcheck disable=SC1091
       (source /tmp/vllm-site-0.25.0/env.sh && run vllm025_smoke python3 perf/vllm_smoke.py \
         --vllm-site /tmp/vllm-site-0.25.0 --workdir /tmp/pergola-archs --timeout 60) ;;
     vllm025_server)  # vllm_server with vLLM 0.25.0 (VLLM_MODELS as there), same folders, same suite
-      vllm_server_suite /tmp/vllm-site-0.25.0 vllm025_server ;;
+      vllm_server_suite /tmp/vllm-site-0.25.0 vllm025_server pooling ;;
     archs_perf)  # both of the above, ~13 min: over one 10-minute command, so run the two steps apart there
       archs_perf bge-m3 bge_m3
       archs_perf gte-modernbert modernbert ;;

@@ -64,8 +64,8 @@ def test_vllm_plans(name):
 
 
 def test_vllm_client_sends_token_ids_where_asked():
-    """Token ids go to /pooling (task "embed", the `data` field back) by default, to /v1/embeddings
-    (`embedding`) with --ids-api embeddings; texts always to /v1/embeddings."""
+    """Token ids go to /v1/embeddings (`embedding` back) by default, to /pooling (task "embed", the
+    `data` field back) with --ids-api pooling; texts always to /v1/embeddings."""
     import base64
     import json
     import threading
@@ -103,4 +103,4 @@ def test_vllm_client_sends_token_ids_where_asked():
             assert seen[-1][0] == "/v1/embeddings"
     finally:
         server.shutdown()
-    assert bench_vllm.arg_parser().parse_args([]).ids_api == "pooling"
+    assert bench_vllm.arg_parser().parse_args([]).ids_api == "embeddings"
