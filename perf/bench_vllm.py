@@ -394,8 +394,9 @@ class VllmServer:
 # default: the seeds' baseline, 0.22, answers there fastest) or /pooling with task "embed". vLLM 0.25 made
 # /v1/embeddings' body a union with chat-message inputs that pydantic checks token by token: ~10 µs a token
 # on the server's event loop before vLLM's handler runs, ~100,000 tokens/s for all clients together
-# (perf/results/2026-12-07-1ddb3b5/NOTES.md), so 0.25 is measured through /pooling; 0.22's /pooling added
-# ~3.5 ms a request at batch 1 (perf/results/2026-12-07-d169878/NOTES.md).
+# (perf/results/2026-12-07-1ddb3b5/NOTES.md), so 0.25 is measured through /pooling; 0.22's /pooling took
+# ~3.5 ms a request more at batch 1 than its /v1/embeddings had on the H100 before
+# (perf/results/2026-12-07-d169878/NOTES.md).
 # name -> (path, the answer's field of each row, further body fields)
 IDS_APIS = {"pooling": ("/pooling", "data", {"task": "embed"}), "embeddings": ("/v1/embeddings", "embedding", {})}
 
