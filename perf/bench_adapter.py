@@ -50,7 +50,7 @@ from inputs import TokenWindows  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.adapter_timing import ENV as TIMING_ENV  # noqa: E402
 from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.triton.server import ServerOptions, local_ports, start, wait_ready  # noqa: E402
 
 NAME, COMPARE = "bench", "compare"
 FLOOR, FLOOR_SENDER, FLOOR_BATCHER = "floor", "floor_sender", "floor_batcher"
@@ -306,7 +306,7 @@ def main() -> None:
     for old in [trace_file, *marks_dir.glob("*.json")]:
         old.unlink(missing_ok=True)
     os.environ[TIMING_ENV] = str(marks_dir)  # the stubs inherit tritonserver's environment
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    opts = ServerOptions(repo=repo, **local_ports(),
                          extra=trace_flags(trace_file))
     server = start(opts, log_path=workdir / "tritonserver.log")
     res: dict = {"model": args.model, "device": args.device, "length": args.length, "text": args.text,

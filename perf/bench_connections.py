@@ -249,9 +249,9 @@ def sample(base: str, flood: Flood, stop: threading.Event, into: list[dict[str, 
 def start_serve(workdir: Path, extra: list[str]) -> tuple[list[subprocess.Popen], int, int]:
     """`pergola serve --device cpu` and a twin `pergola gateway` in front of the same Triton, as
     `pergola serve` starts its own; (processes, flooded gateway's port, twin's port)."""
-    from pergola.triton.server import free_port
+    from pergola.triton.server import free_ports
 
-    http_port, grpc, metrics, port, twin = (free_port() for _ in range(5))
+    http_port, grpc, metrics, port, twin = free_ports(5)
     repo = workdir / "repo"
     serve = subprocess.Popen([sys.executable, "-m", "pergola.cli", "serve", "--device", "cpu", "--repo", str(repo),
                               "--http-port", str(http_port), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

@@ -46,25 +46,18 @@ class Call:
     status: int  # HTTP status; 0: no answer (connection refused or reset, timeout)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_serve(root: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, int, Path]:
     from pergola.cli import default_model_folder
+    from pergola.triton.server import free_ports
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from pergola_testing import make_cross_encoder_folder
 
     minilm = default_model_folder()
     ce = make_cross_encoder_folder(root / "cross-encoder")
-    gateway = free_port()
+    http, grpc, metrics, gateway = free_ports(4)
     cmd = [sys.executable, "-m", "pergola.cli", "serve", "--repo", str(root / "repo"), "--device", "cpu",
            "--model", f"mini={minilm}", "--model", f"mini2={minilm}", "--model", f"ce={ce}",
-           "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--gateway-port", str(gateway), "--gateway-bind", "127.0.0.1",
            "--gateway-tokenize-chars", str(args.gateway_tokenize_chars)]
     log = root / "serve.log"

@@ -48,7 +48,7 @@ from pergola.gateway.app import spawn  # noqa: E402
 from pergola.gateway.metrics import inputs_by_tokenizer  # noqa: E402
 from pergola.gateway.options import GatewayOptions  # noqa: E402
 from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.triton.server import ServerOptions, free_port, local_ports, start, wait_ready  # noqa: E402
 
 
 class Gateway:
@@ -154,7 +154,7 @@ def triton_servers(folder: Path, workdir: Path, gpu: bool, groups: list[list[int
             suffix = str(i) if len(groups) > 1 else ""
             repo = build_repository(workdir / f"repo{suffix}", [entry_from_folder(folder, NAME, **options)], gpu=gpu,
                                     gpus=gpus)
-            opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+            opts = ServerOptions(repo=repo, **local_ports())
             log = workdir / f"tritonserver{suffix}.log"
             started.append((opts, start(opts, log_path=log), log))
         for opts, proc, log in started:

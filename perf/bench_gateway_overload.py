@@ -58,9 +58,9 @@ class Serve:
     """`pergola serve` on free ports, ended with the benchmark."""
 
     def __init__(self, workdir: Path, args: list[str], cpus: str | None = None) -> None:
-        from pergola.triton.server import free_port
+        from pergola.triton.server import free_ports
 
-        self.http, self.grpc, self.metrics, self.gateway = (free_port() for _ in range(4))
+        self.http, self.grpc, self.metrics, self.gateway = free_ports(4)
         self.url = f"http://127.0.0.1:{self.gateway}"
         self.log = workdir / "serve.log"
         pinned = ["taskset", "-c", cpus] if cpus else []  # (a 2-core host's share on a larger one)

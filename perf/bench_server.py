@@ -62,7 +62,7 @@ from inputs import TokenWindows  # noqa: E402
 from pergola.config.engine import EngineConfig  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.repo_builder import build_repository, entry_from_folder  # noqa: E402
-from pergola.triton.server import ServerOptions, free_port, start, wait_ready  # noqa: E402
+from pergola.triton.server import ServerOptions, local_ports, start, wait_ready  # noqa: E402
 
 NAME = "bench"
 
@@ -306,7 +306,7 @@ def main() -> None:
     entry = entry_from_folder(folder, NAME, eager_attention_backend=args.eager_attention_backend,
                               task="rerank" if rerank else None, **options)
     repo = build_repository(workdir / "repo", [entry], gpu=args.device == "gpu")
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    opts = ServerOptions(repo=repo, **local_ports())
     t0 = time.perf_counter()
     server = start(opts, log_path=workdir / "tritonserver.log")
     try:

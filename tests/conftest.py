@@ -167,7 +167,7 @@ def rerank_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank_folders: dict[str, Path]):
     from pergola.triton.repo_builder import build_repository, entry_from_folder
-    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.server import ServerOptions, local_ports, start, wait_ready
 
     root = tmp_path_factory.mktemp("triton")
     limits = dict(max_texts=MAX_TEXTS, max_documents=MAX_TEXTS, max_text_chars=MAX_TEXT_CHARS,
@@ -177,7 +177,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path, rerank
     if "qwen3-reranker" in rerank_folders:
         entries.append(entry_from_folder(rerank_folders["qwen3-reranker"], "qr", task="rerank", **limits))
     repo = build_repository(root / "model_repository", entries, gpu=TEST_DEVICE == "gpu")
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    opts = ServerOptions(repo=repo, **local_ports())
     log = root / "tritonserver.log"
     proc = start(opts, log_path=log)
     try:
@@ -243,9 +243,9 @@ def start_serve(root: Path, model: str, *args: str, wait: bool = True) -> ServeP
     """`pergola serve --model MODEL --repo ROOT/repo --device cpu` + `args`, ready unless wait=False."""
     import sys
 
-    from pergola.triton.server import free_port, wait_ready
+    from pergola.triton.server import free_ports, wait_ready
 
-    http, grpc, metrics, gateway = free_port(), free_port(), free_port(), free_port()
+    http, grpc, metrics, gateway = free_ports(4)
     repo, log = root / "repo", root / "serve.log"
     cmd = [sys.executable, "-m", "pergola.cli", "serve", "--model", model, "--repo", str(repo), "--device", "cpu",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

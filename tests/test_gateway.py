@@ -684,9 +684,10 @@ def test_body_over_the_limit_is_413(server, tmp_path):
 
 
 def test_no_triton_is_503_with_retry_after(tmp_path):
-    from pergola.triton.server import free_port
+    from pergola.triton.server import free_ports
 
-    gw = start_gateway(tmp_path, f"127.0.0.1:{free_port()}", ready=False, http=free_port())
+    grpc, http = free_ports(2)
+    gw = start_gateway(tmp_path, f"127.0.0.1:{grpc}", ready=False, http=http)
     try:
         assert call(gw, "GET", "/health")[0] == 503
         status, out, headers = call(gw, "POST", "/v1/embeddings", {"input": "x"})
@@ -716,12 +717,12 @@ def late_replica(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
     120 s): the client asks for 8 s before Triton starts and all along while it loads, so without
     a cap the first answer would come long after Triton is ready."""
     from pergola.triton.repo_builder import build_repository, entry_from_folder
-    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.server import ServerOptions, local_ports, start, wait_ready
 
     tmp = tmp_path_factory.mktemp("late")
     opts = ServerOptions(repo=build_repository(tmp / "repo", [entry_from_folder(minilm_folder, "minilm")],
                                                gpu=TEST_DEVICE == "gpu"),
-                         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+                         **local_ports())
     gw = start_gateway(tmp, f"127.0.0.1:{opts.grpc_port}", "--models", "minilm", ready=False, http=opts.http_port)
     first_ok: list[float] = []
     stop = threading.Event()
@@ -828,11 +829,11 @@ def answered(exposition: str, route: str, status: str) -> float:
 @pytest.fixture(scope="module")
 def second_server(tmp_path_factory: pytest.TempPathFactory, minilm_folder: Path):
     from pergola.triton.repo_builder import build_repository, entry_from_folder
-    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.server import ServerOptions, local_ports, start, wait_ready
 
     root = tmp_path_factory.mktemp("second")
     repo = build_repository(root / "repo", [entry_from_folder(minilm_folder, "minilm")], gpu=TEST_DEVICE == "gpu")
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    opts = ServerOptions(repo=repo, **local_ports())
     proc = start(opts, log_path=root / "tritonserver.log")
     wait_ready(opts.http_port, proc, timeout=240)
     yield f"127.0.0.1:{opts.grpc_port}", proc, repo, opts.http_port

@@ -154,11 +154,12 @@ def test_inference_and_health_stay_open(served, reference):
 
 
 def test_a_second_server_on_the_same_repository_is_refused(served):
-    from pergola.triton.server import free_port
+    from pergola.triton.server import free_ports
 
+    http, grpc, metrics = free_ports(3)
     out = subprocess.run(
         [sys.executable, "-m", "pergola.cli", "serve", "--repo", str(served.repo), "--device", "cpu",
-         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "in use by another pergola server" in out.stderr + out.stdout

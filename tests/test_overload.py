@@ -20,14 +20,14 @@ MAX_QUEUE_SECONDS = 2.0
 @pytest.fixture(scope="module")
 def busy_server(tmp_path_factory, minilm_folder):
     from pergola.triton.repo_builder import build_repository, entry_from_folder
-    from pergola.triton.server import ServerOptions, free_port, start, wait_ready
+    from pergola.triton.server import ServerOptions, local_ports, start, wait_ready
 
     root = tmp_path_factory.mktemp("overload")
     # One torch thread, as on a 2-core host (cores less one): the tests' large requests must take
     # seconds on a 16-core host too (64 x 256 tokens took under the client's 1 s there).
     entry = entry_from_folder(minilm_folder, "mini", max_queue_seconds=MAX_QUEUE_SECONDS, cpu_threads=1)
     repo = build_repository(root / "repo", [entry], gpu=False)
-    opts = ServerOptions(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    opts = ServerOptions(repo=repo, **local_ports())
     proc = start(opts, log_path=root / "server.log")
     try:
         wait_ready(opts.http_port, proc, timeout=240, metrics_port=opts.metrics_port)

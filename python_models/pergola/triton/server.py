@@ -202,10 +202,27 @@ def trace_flags(opts: ServerOptions) -> list[str]:
             "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1"]
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now. Each socket stays bound until all are picked:
+    picked one at a time, a port just closed can come back at once (a test's tritonserver once got
+    the same port for HTTP and gRPC and refused to start)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def local_ports() -> dict[str, int]:
+    """ServerOptions' http_port, grpc_port and metrics_port on three distinct free ports (tests, benchmarks)."""
+    return dict(zip(("http_port", "grpc_port", "metrics_port"), free_ports(3), strict=True))
 
 
 def wait_ready(http_port: int, process: subprocess.Popen | None, timeout: float = 180.0,
