@@ -391,7 +391,7 @@ class VllmServer:
 
 
 # Where token-id lists go (--ids-api): each vLLM version's faster route. vLLM's OpenAI /v1/embeddings (the
-# default: the seeds' baseline, 0.22, answers there fastest) or /pooling with task "embed". vLLM 0.25 made
+# default: the seeds' baseline, 0.22, answered batch 1 faster there) or /pooling with task "embed". vLLM 0.25 made
 # /v1/embeddings' body a union with chat-message inputs that pydantic checks token by token: ~10 µs a token
 # on the server's event loop before vLLM's handler runs, ~100,000 tokens/s for all clients together
 # (perf/results/2026-12-07-1ddb3b5/NOTES.md), so 0.25 is measured through /pooling; 0.22's /pooling took
@@ -407,7 +407,7 @@ class HttpClient:
 
     def __init__(self, host: str, port: int, ids_api: str = "embeddings") -> None:
         self.host, self.port = host, port
-        self.ids_path, self.ids_field, self.ids_fields = IDS_APIS[ids_api]
+        self.ids_api = IDS_APIS[ids_api]
         self.conn = http.client.HTTPConnection(host, port, timeout=300)
 
     def post(self, path: str, body: dict) -> dict:
@@ -426,16 +426,16 @@ class HttpClient:
             raise RuntimeError(f"POST {path}: HTTP {r.status}: {payload[:600]!r}")
         return json.loads(payload)
 
-    def embed(self, inputs: list, path: str = "/v1/embeddings", field: str = "embedding",
-              extra: dict[str, str] | None = None) -> np.ndarray:
-        """`inputs`: strings (the server tokenizes) or token-id lists. -> [n, dim]."""
+    def embed(self, inputs: list, api: tuple[str, str, dict] = IDS_APIS["embeddings"]) -> np.ndarray:
+        """`inputs`: strings (the server tokenizes) or token-id lists; `api`: an IDS_APIS entry. -> [n, dim]."""
+        path, field, extra = api
         out = self.post(path, {"model": SERVED_NAME, "input": inputs, "encoding_format": "base64",
-                               "embed_dtype": "float32", "endianness": "little", **(extra or {})})
+                               "embed_dtype": "float32", "endianness": "little", **extra})
         rows = sorted(out["data"], key=lambda d: d["index"])
         return np.stack([np.frombuffer(base64.b64decode(d[field]), dtype="<f4") for d in rows])
 
     def embed_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
-        return self.embed([s.tolist() for s in seqs], self.ids_path, self.ids_field, self.ids_fields)
+        return self.embed([s.tolist() for s in seqs], self.ids_api)
 
     def classify_ids(self, seqs: list[np.ndarray]) -> np.ndarray:
         """POST /classify with token-id lists (no tokenization, no template): [n] scores."""
@@ -604,7 +604,7 @@ def suite_server(run: Run, res: dict) -> None:
         res["server_command"] = " ".join(server.cmd)
         say(name, f"server ready in {server.ready_s:.1f} s on port {server.port}")
         client = HttpClient(server.host, server.port, run.ids_api)
-        res["ids_api"] = client.ids_path
+        res["ids_api"] = client.ids_api[0]
         res["min_cosine_vs_hf"] = cosine_min(client.embed_ids(embed_check_inputs(windows, plan)), ref)
         say(name, f"check vs HF transformers: min cosine {res['min_cosine_vs_hf']:.5f}")
         if not res["min_cosine_vs_hf"] >= MIN_COSINE:
@@ -704,7 +704,8 @@ def suite_mixed(run: Run, res: dict) -> None:
     with VllmServer(run.embed_folder, run, Path(run.workdir) / "vllm_mixed.log") as server:
         res["server_command"] = " ".join(server.cmd)
         endpoint = (server.host, server.port)
-        kinds = {"http_ids_128": partial(_vllm_ids_query, *endpoint, run.ids_api, [windows.ids(128, 1, seed=128)[0]]),
+        query_ids = [windows.ids(128, 1, seed=128)[0]]
+        kinds = {"http_ids_128": partial(_vllm_ids_query, *endpoint, run.ids_api, query_ids),
                  "http_text": partial(_vllm_query, *endpoint, [mixed.QUERY])}
         res["idle"] = mixed.idle_latency(kinds, n)
         say("mixed", "idle: " + ", ".join(f"{k} p50 {v['p50']:.2f} p99 {v['p99']:.2f} ms" for k, v in res["idle"].items()))

@@ -87,9 +87,9 @@ for step in "$@"; do
   case $step in
     gemm)  # the matmul sweep: cuBLAS vs Triton tiles per projection and M; writes the tile table it measured
       run gemm python3 perf/bench_gemm.py --out "$OUT/gemm.json" --write-tiles "$OUT/tiles.json" ;;
-    small_gemm)  # batch-1 sizes: cuBLAS vs pointer, split-K and dependent-launch tiles at M <= 256 (gate_up with its folded
-      # norm, as the model runs it), then 16-, 64- and 128-token forwards' kernels on the table it measured,
-      # the shipped one and cuBLAS alone (~4 min)
+    small_gemm)  # batch-1 sizes: cuBLAS vs pointer, split-K and dependent-launch tiles at M <= 256 (gate_up
+      # with its folded norm, as the model runs it), then 16-, 64- and 128-token forwards' kernels on the
+      # table it measured, the shipped one and cuBLAS alone (~4 min)
       run gemm_small python3 perf/bench_gemm.py --m 16 64 128 256 --pdl --out "$OUT/gemm_small.json" \
         --write-tiles "$OUT/tiles_small.json"
       for len in 16 64 128; do
@@ -278,7 +278,7 @@ for step in "$@"; do
         run "server_${model//-/_}" python3 perf/bench_server.py --model "$model" --suites latency throughput \
           --latency-n 40 --workdir /tmp/pergola-archs --out "$OUT/server_${model//-/_}.json"
       done ;;
-    vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~7 min;
+    vllm_server)  # vLLM 0.22's server suite on Qwen3's and both architectures' shapes, the same folders (~8 min;
       # VLLM_MODELS="qwen3-0.6b": Qwen3's alone, ~2 min)
       vllm_server_suite /tmp/vllm-site vllm_server embeddings ;;
     vllm025_smoke)  # vLLM 0.25.0 (scripts/vllm_setup.sh .bundle/vllm0250_partN first): import, version and one
