@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+from common import cuda_time_us
 from pergola.layers.attention import AttentionMetadata, TorchFlashAttention
 from pergola.layers.fused import split_qkv
 from pergola.layers.triton_attention import ragged_attention
@@ -30,18 +31,6 @@ SHAPES = [(100, 512), (20, 4096), (1, 8192)]
 TRITON_CONFIGS = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 2), (128, 128, 8, 2)]
 
 
-def time_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
-
-
 def bench(model: str, seqs: int, length: int) -> dict:
     heads, kv, dim, window = MODELS[model]
     t = seqs * length
@@ -49,7 +38,7 @@ def bench(model: str, seqs: int, length: int) -> dict:
     q, k, v = split_qkv(qkv, heads, kv, dim)  # views, as the models hand them over
     meta = AttentionMetadata.build([length] * seqs, q.device, causal=False, padded=False)
     ref = TorchFlashAttention.windowed(q, k, v, meta, window)
-    row = {"flash_fa2": time_us(lambda: TorchFlashAttention.windowed(q, k, v, meta, window))}
+    row = {"flash_fa2": cuda_time_us(lambda: TorchFlashAttention.windowed(q, k, v, meta, window))}
     diffs = {}
     for bm, bn, warps, stages in TRITON_CONFIGS:
         name = f"triton_{bm}x{bn}_w{warps}_s{stages}"
@@ -60,7 +49,7 @@ def bench(model: str, seqs: int, length: int) -> dict:
 
         try:
             diffs[name] = (call().float() - ref.float()).abs().max().item()
-            row[name] = time_us(call)
+            row[name] = cuda_time_us(call)
         except Exception as e:  # noqa: BLE001 - a block shape this GPU cannot run (shared memory)
             row[name] = None
             diffs[name] = f"{type(e).__name__}: {str(e)[:120]}"

@@ -35,6 +35,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def cuda_time_us(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Mean µs of one eager call by CUDA events over `iters` calls after `warmup` ones (kernel
+    benchmarks: bench_window, bench_attention)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
 QWEN3_SHAPES = {"qwen3-0.6b": "qwen3-0.6b", "qwen3-tiny": "tiny",
                 "qwen3-reranker-0.6b": "qwen3-0.6b", "qwen3-reranker-tiny": "tiny"}
 

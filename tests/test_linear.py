@@ -183,10 +183,14 @@ for heads, kv, d in ((12, 12, 64), (4, 2, 32)):
     torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(qkv[:, :heads * d].view(9, heads, d), want_q)  # in place
     assert torch.equal(v, want_v)
-# the GLU with every activation (1,500 columns: two column blocks, the second masked)
-g = torch.randn(5, 3000) * 3
-for act in ACTIVATIONS:
-    torch.testing.assert_close(launch_act_and_mul(g, act), act_and_mul_ref(g, act), atol=1e-5, rtol=1e-5)
+# the GLU with every activation: 1,500 columns (two column blocks, the second masked) and ModernBERT's
+# 1,152 ([8, 128] tiles over 13 rows, the last tile's rows masked)
+from pergola.layers.fused import glu_tile
+assert glu_tile(1500, False) == (1, 1024) and glu_tile(1152, False) == (8, 128) and glu_tile(1152, True) == (1, 1024)
+assert glu_tile(3072, False) == (1, 1024) and glu_tile(96, False) == (1, 128)
+for g in (torch.randn(5, 3000) * 3, torch.randn(13, 2304) * 3):
+    for act in ACTIVATIONS:
+        torch.testing.assert_close(launch_act_and_mul(g, act), act_and_mul_ref(g, act), atol=1e-5, rtol=1e-5)
 # LayerNorm with a matmul's bias still to add (a row of 96 in a 128-wide masked block), with and without bias
 from pergola.layers.fused import launch_layer_norm, layer_norm_ref
 x, w, b, pre = torch.randn(7, 96) * 3 + 1, torch.rand(96) + 0.5, torch.randn(96), torch.randn(96)
