@@ -3,8 +3,10 @@ start-up probe chooses from, against cuDNN's fused attention through PyTorch's S
 
     python perf/bench_attention.py --out perf/out/attention.json
 
-cuDNN runs on [B, H, L, D] views of the same q/k/v (no copy), so it only takes batches of one length:
-this measures whether it is worth a ragged backend, not a path the engine can take today. Head
+cuDNN runs two ways: on [B, H, L, D] views of the same q/k/v (no copy; batches of one length only),
+and through PyTorch's ragged entry (nested tensors' `_cudnn_attention_forward` with cumulative lengths,
+on contiguous copies), whose time includes what it does on the host each call. This measures whether
+cuDNN is worth a ragged backend, not a path the engine can take today. Head
 layouts are the shapes the servers are measured on (bge-m3 and ModernBERT: 16 / 12 heads of 64,
 bidirectional; Qwen3-0.6B: 16 query and 8 key/value heads of 128, causal) at the bulk steps the
 engine runs (4 x 4,096 and 32 x 512 tokens) and one long text. Each kernel's output is checked against
@@ -76,6 +78,16 @@ def bench(layout: str, seqs: int, length: int) -> dict:
         row["us"]["cudnn_dense"] = cuda_time_us(call)
     except Exception as e:  # noqa: BLE001
         row["us"]["cudnn_dense"] = f"{type(e).__name__}: {e}"[:200]
+    try:  # PyTorch's ragged cuDNN entry (nested tensors'): contiguous [T, H, D] (its offsets are T x H x D)
+        qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+
+        def ragged() -> torch.Tensor:
+            return torch.ops.aten._cudnn_attention_forward(qc, kc, vc, None, meta.cu_seqlens, meta.cu_seqlens,
+                                                           length, length, False, 0.0, causal)[0]
+        row["max_diff"]["cudnn_ragged"] = (ragged().float() - ref).abs().max().item()
+        row["us"]["cudnn_ragged"] = cuda_time_us(ragged)
+    except Exception as e:  # noqa: BLE001
+        row["us"]["cudnn_ragged"] = f"{type(e).__name__}: {e}"[:200]
     row["tflops"] = {n: round(flops / us / 1e6, 1) for n, us in row["us"].items() if isinstance(us, float)}
     return row
 
