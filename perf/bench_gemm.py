@@ -80,9 +80,10 @@ def candidates(m: int, pdl: bool) -> list[Tile]:
 
 
 def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
-                m_values: list[int] = M_VALUES, pdl: bool = False) -> tuple[list[dict], list]:
+                m_values: list[int] = M_VALUES, pdl: bool = False, hot: bool = False) -> tuple[list[dict], list]:
     w_rows = 2 * n if kind == "gated" else n
-    weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(layers)]
+    weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+               for _ in range(1 if hot else layers)] * (layers if hot else 1)
     rows, table = [], []
     for m in m_values:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -151,6 +152,10 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=28, help="distinct weights per graph (the model's layers)")
+    p.add_argument("--hot-weight", action="store_true",
+                   help="every call of the graph reads one weight, which then stays in L2: against the default, "
+                        "what reading weights from HBM costs these kernels (--layers 1 instead would time a "
+                        "one-kernel graph, whose replay gaps count)")
     p.add_argument("--margin", type=float, default=0.03, help="Triton must beat cuBLAS by this fraction")
     p.add_argument("--only", nargs="*", default=None, help="projections to run (qkv o gate_up down)")
     p.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="token counts (rows) to time")
@@ -167,7 +172,7 @@ def main() -> None:
             continue
         print(f"{name}: {kind} N={n} K={k}", flush=True)
         rows, chosen = bench_shape(kind, n, k, args.layers, args.margin, lambda s: print(s, flush=True), args.m,
-                                   args.pdl)
+                                   args.pdl, args.hot_weight)
         results[name] = {"kind": kind, "n": n, "k": k, "rows": rows}
         table[table_key(kind, n, k)] = compact(chosen)
     tiles: TileTable = {key: rows for key, rows in table.items() if any(t is not None for _, t in rows)}
