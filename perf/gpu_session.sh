@@ -105,8 +105,10 @@ for step in "$@"; do
           run "profile_${seqs}x${len}_$mm" python3 perf/profile_step.py --seqs "$seqs" --length "$len" --matmul "$mm"
         done
       done ;;
-    encoder_kernels)  # the encoders' kernels: sliding-window kernels, then ModernBERT's and bge-m3's time by kernel
+    encoder_kernels)  # the encoders' kernels: sliding-window kernels, full attention (the probe's kernels and
+      # cuDNN's), then ModernBERT's and bge-m3's time by kernel
       run window python3 perf/bench_window.py --out "$OUT/window.json"
+      run attention python3 perf/bench_attention.py --out "$OUT/attention.json"
       for model in gte-modernbert bge-m3; do
         run "anatomy_$model" python3 perf/anatomy.py --model "$model" --shapes 100x512 20x4096 \
           --workdir /tmp/pergola-archs --out "$OUT/anatomy_$model.json"
