@@ -3,16 +3,16 @@ start-up probe chooses from, against cuDNN's fused attention through PyTorch's S
 
     python perf/bench_attention.py --out perf/out/attention.json
 
-cuDNN runs two ways: on [B, H, L, D] views of the same q/k/v (no copy; batches of one length only),
-and through PyTorch's ragged entry (nested tensors' `_cudnn_attention_forward` with cumulative lengths,
-on contiguous copies), whose time includes what it does on the host each call. This measures whether
-cuDNN is worth a ragged backend, not a path the engine can take today. Head
-layouts are the shapes the servers are measured on (bge-m3 and ModernBERT: 16 / 12 heads of 64,
-bidirectional; Qwen3-0.6B: 16 query and 8 key/value heads of 128, causal) at the bulk steps the
-engine runs (4 x 4,096 and 32 x 512 tokens) and one long text. Each kernel's output is checked against
-PyTorch's FlashAttention-2 (max |diff|); µs by CUDA events over 20 eager calls after 3 warm-up calls
-(`pergola.layers.attention_probe.time_backend`, as the probe times large steps), and TFLOP/s of the
-attention's two matmuls (half for causal).
+cuDNN runs two ways: on [B, H, L, D] views of the same q/k/v (no copy; batches of one length only), and
+through PyTorch's ragged entry (nested tensors' `_cudnn_attention_forward` with cumulative lengths, on
+contiguous copies), whose time includes what it does on the host each call. This asks whether cuDNN is
+worth a ragged backend; neither is a path the engine takes. Head layouts are the shapes the servers are
+measured on (bge-m3 and ModernBERT: 16 / 12 heads of 64, bidirectional; Qwen3-0.6B: 16 query and 8
+key/value heads of 128, causal), at the bulk steps the engine runs (4 x 4,096 and 32 x 512 tokens) and
+one long text. Each output is checked against PyTorch's FlashAttention-2 (max |diff|); µs by CUDA events
+over 20 eager calls after 3 warm-up calls (the probe's `time_backend` for the registered kernels), and
+TFLOP/s of the attention's two matmuls (half for causal). An H200's answer:
+perf/results/2026-12-07-e7b1fc6/NOTES.md.
 """
 
 from __future__ import annotations
