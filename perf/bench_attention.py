@@ -10,8 +10,8 @@ worth a ragged backend; neither is a path the engine takes. Head layouts are the
 measured on (bge-m3 and ModernBERT: 16 / 12 heads of 64, bidirectional; Qwen3-0.6B: 16 query and 8
 key/value heads of 128, causal), at the bulk steps the engine runs (4 x 4,096 and 32 x 512 tokens) and
 one long text. Each output is checked against PyTorch's FlashAttention-2 (max |diff|); µs by CUDA events
-over 20 eager calls after 3 warm-up calls (the probe's `time_backend` for the registered kernels), and
-TFLOP/s of the attention's two matmuls (half for causal). An H200's answer:
+over 20 eager calls after 3 warm-up calls on the same q/k/v for every kernel (planning outside the timing,
+as the probe times large steps), and TFLOP/s of the attention's two matmuls (half for causal). An H200's answer:
 perf/results/2026-12-07-e7b1fc6/NOTES.md.
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from common import cuda_time_us
 from pergola.layers.attention import AttentionMetadata, make_backend
-from pergola.layers.attention_probe import candidates, time_backend
+from pergola.layers.attention_probe import candidates
 from pergola.layers.fused import split_qkv
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,9 +67,9 @@ def bench(layout: str, seqs: int, length: int) -> dict:
         try:
             attn = make_backend(name, dev, dt)
             plan = attn.plan(meta.cu_seqlens.cpu(), heads, kv, dim, causal)
-            got = attn(q, k, v, AttentionMetadata(meta.cu_seqlens, length, causal, plan=plan)).float()
-            row["max_diff"][name] = (got - ref).abs().max().item()
-            row["us"][name] = time_backend(attn, heads, kv, dim, causal, (seqs, length), dev, dt, iters=20)
+            step = AttentionMetadata(meta.cu_seqlens, length, causal, plan=plan)
+            row["max_diff"][name] = (attn(q, k, v, step).float() - ref).abs().max().item()
+            row["us"][name] = cuda_time_us(lambda: attn(q, k, v, step))  # timed here, within this iteration
         except Exception as e:  # noqa: BLE001 - a kernel this GPU or build lacks is reported, not fatal
             row["us"][name] = f"{type(e).__name__}: {e}"[:200]
     try:

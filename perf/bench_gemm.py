@@ -82,8 +82,9 @@ def candidates(m: int, pdl: bool) -> list[Tile]:
 def bench_shape(kind: str, n: int, k: int, layers: int, margin: float, log,
                 m_values: list[int] = M_VALUES, pdl: bool = False, hot: bool = False) -> tuple[list[dict], list]:
     w_rows = 2 * n if kind == "gated" else n
-    weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-               for _ in range(1 if hot else layers)] * (layers if hot else 1)
+    distinct = 1 if hot else layers  # hot: every call reads one weight, which stays in L2
+    weights = [torch.randn(w_rows, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(distinct)]
+    weights *= layers // distinct
     rows, table = [], []
     for m in m_values:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

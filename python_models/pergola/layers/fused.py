@@ -276,6 +276,7 @@ if HAVE_TRITON:
         gate = tl.load(x_ptr + rows * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + rows * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         if PENDING:
+            tl.static_assert(ROWS == 1, "a pending norm's 1/rms is per row: one row a program (glu_tile)")
             inv = _inv_rms(r_ptr + tl.program_id(0).to(tl.int64) * r_cols, r_cols, r_eps, R_BLOCK)
             gate = (gate * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
             up = (up * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
