@@ -260,8 +260,8 @@ def test_queries_cannot_starve_bulk_work(engine):
 def test_on_a_gpu_queries_run_between_bulk_layers_and_change_nothing(tmp_path_factory):
     """Qwen3-0.6B shape, bulk steps of 16k tokens (eager, hooked), queries on lane 1 (graphs
     captured and replayed from inside the hook), in turn with the bulk layers on one stream: each
-    query is delivered before the bulk request, and every result equals its lone computation on
-    lane 0."""
+    query, sent one after another while the bulk runs, is delivered before the bulk request, and
+    every result equals its lone computation on lane 0."""
     from conftest import qwen3_folders_or_skip
 
     folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("lane-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
@@ -296,8 +296,14 @@ def test_on_a_gpu_queries_run_between_bulk_layers_and_change_nothing(tmp_path_fa
                 assert ev.wait(60)
         loop.submit(Job(bulk, deliver=lambda r: deliver("bulk", r), fail=lambda e: order.append(f"bulk: {e}")))
         assert started.wait(60)
+        # One query in flight at a time, so each lane-1 step holds one query as its lone computation
+        # did: queries sharing a step change the matmuls' M, and with it the kernels' rounding (batch
+        # invariance is test_batched_equals_single_on_gpu's to bound).
         for i, q in enumerate(queries):
-            loop.submit(Job(q, deliver=lambda r, i=i: deliver(f"q{i}", r), fail=lambda e: order.append(str(e))))
+            ev = threading.Event()
+            loop.submit(Job(q, deliver=lambda r, i=i, ev=ev: (deliver(f"q{i}", r), ev.set()),
+                            fail=lambda e: order.append(str(e))))
+            assert ev.wait(60), order
         assert all_done.wait(120), order
     finally:
         loop.stop()
