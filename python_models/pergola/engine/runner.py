@@ -29,7 +29,7 @@ from pergola.layers.attention_probe import probe as probe_attention
 from pergola.layers.linear import tiles_for
 from pergola.models.loader import build_model
 from pergola.outputs.heads import HEAD_TASKS
-from pergola.outputs.pooling import TokenHeads, pool
+from pergola.outputs.pooling import ROW_POOLING, TokenHeads, pool, pooled_rows
 
 log = logging.getLogger("pergola.runner")
 
@@ -159,6 +159,9 @@ class ModelRunner:
         # bge-m3's sparse / ColBERT heads: every step's hidden states go through them (TokenHeads).
         self.token_heads = TokenHeads(spec, device, self.dtype) if spec.token_heads else None
         self.token_width = self.token_heads.width if self.token_heads is not None else 0
+        # CLS / last-token pooling: the last layer runs on the pooled rows only (Model.takes_rows).
+        self.rows_only = (cfg.prune_last_layer and spec.pooling in ROW_POOLING
+                          and self.model.takes_rows(spec.pooling))
         self.startup["weights"] = time.perf_counter() - t0
         self.probe: ProbeResult | None = None
         # (most tokens, backend) rules for graph steps, and the backend of large eager steps.
@@ -307,21 +310,29 @@ class ModelRunner:
         return replace(b, segments=self._put(np.where(segments < 0, count, segments)), num_segments=count)
 
     @torch.inference_mode()
-    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None
+    def forward(self, b: BatchInputs, attn: AttentionBackend | None = None, token_rows: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """-> (pooled [B, hidden] fp32 on the device (a reranker or classifier: its logits [B, num_labels]),
-        per-token rows [T, token_width] fp32 of bge-m3's heads, None for a model without them,
-        late chunking's atom sums [G, hidden] fp32 of the last hidden states, None without b.segments)."""
-        hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn or self.attn)
+        per-token rows [T, token_width] fp32 of bge-m3's heads, None for a model without them or a step
+        that asks for none (`token_rows` False), late chunking's atom sums [G, hidden] fp32 of the last
+        hidden states, None without b.segments)."""
+        attn = attn or self.attn
+        if self.rows_only and b.segments is None and not (token_rows and self.token_heads is not None):
+            rows = pooled_rows(b.meta.cu_seqlens, self.spec.pooling, b.input_ids.shape[0])  # [B]
+            pooled = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn, rows=rows).float()
+            return self._head(pooled), None, None
+        hidden = self.model(b.input_ids, b.positions, b.token_types, b.meta, attn)
         tokens = None if self.token_heads is None else self.token_heads(hidden)
         sums = None
         if b.segments is not None:  # (fp32 sums, as mean pooling's; the extra row G takes the unpooled tokens)
             sums = torch.zeros(b.num_segments + 1, hidden.shape[1], device=hidden.device, dtype=torch.float32)
             sums = sums.index_add_(0, b.segments, hidden.float())[:b.num_segments]
         pooled = pool(hidden, b.meta.cu_seqlens, b.seq_ids, self.spec.pooling, b.token_weights)
-        if self.spec.task in HEAD_TASKS:
-            return self.model.score(pooled), tokens, sums
-        return self.dense_rows(pooled), tokens, sums
+        return self._head(pooled), tokens, sums
+
+    def _head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled [B, hidden] fp32 -> what a step returns: a reranker's or classifier's logits, else the embedding."""
+        return self.model.score(pooled) if self.spec.task in HEAD_TASKS else self.dense_rows(pooled)
 
     def dense_rows(self, pooled: torch.Tensor) -> torch.Tensor:
         """The sentence-transformers Dense modules, after pooling ([B, hidden] -> [B, out] fp32); as is without them."""
@@ -332,18 +343,20 @@ class ModelRunner:
     @torch.inference_mode()
     def _static_forward(self, lane: int, s: int, t: int, max_seqlen: int | None = None,
                         attn: AttentionBackend | None = None, plan: object | None = None,
-                        segments: np.ndarray | None = None) -> torch.Tensor | None:
+                        segments: np.ndarray | None = None, token_rows: bool = True) -> torch.Tensor | None:
         """Forward over `lane`'s static buffers padded to (s, t); writes pooled[:s] (and tokens[:t]). Graph-safe.
 
         GraphCache calls it with (lane, s, t) only, to warm up and capture a graph: the kernel of
         that step size, with the plan step() made for the key (kept by the graph for its replays).
+        A graph holds bge-m3's per-token rows for every step of its key; an eager step computes them
+        only when asked (`token_rows`), and its last layer otherwise runs on the pooled rows alone.
         """
         buffers = self.lanes[lane].buffers
         if attn is None:
             attn, plan = self.graph_backend(t), self.lanes[lane].plans[(s, t)]
         # In a graph the longest sequence is unknown at capture: t bounds it.
         b = self._with_segments(buffers.inputs(s, t, max_seqlen or t, self.spec.causal, plan), segments)
-        pooled, tokens, sums = self.forward(b, attn)
+        pooled, tokens, sums = self.forward(b, attn, token_rows)
         buffers.pooled[:s].copy_(pooled)
         if tokens is not None:
             buffers.tokens[:t].copy_(tokens)
@@ -367,7 +380,7 @@ class ModelRunner:
         if not self.lanes:
             with self._armed(hooked):
                 b = self._with_segments(self.prepare(input_ids, lengths, skips, token_types), segments)
-                pooled, rows, sums = self.forward(b)
+                pooled, rows, sums = self.forward(b, token_rows=token_columns > 0)
                 return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None, segments=sums)
         return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns, segments)
 
@@ -392,7 +405,7 @@ class ModelRunner:
             plan = self._plan(ln, self.eager_attn)
             with self._armed(hooked):
                 sums = self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan,
-                                            segments=segments)
+                                            segments=segments, token_rows=token_columns > 0)
             self.last_mode = "eager"
         rows = ln.buffers.tokens[:num_tokens, :token_columns] if token_columns else None
         return self._lazy(ln.buffers.pooled[:num_seqs], ln, rows, sums)

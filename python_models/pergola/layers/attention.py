@@ -301,6 +301,31 @@ class FlashInferFA3(FlashInferAttention):
     template = "fa3"  # Hopper only
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int) -> torch.Tensor:
+    """One query row per sequence against all of that sequence's keys: q [S, Hq, D], k/v [T, Hkv, D],
+    cu_seqlens [S + 1] int32 -> [S, Hq, D]. The last layer of a CLS- or last-token-pooled model
+    needs no other row (pergola.models.loader.Model.forward's `rows`); the row sees its whole
+    sequence, as the last token does under a causal mask. Graph-safe: no host reads.
+
+    CUDA in half precision: PyTorch's FlashAttention-2 varlen kernel with one query per sequence.
+    Elsewhere (the CPU, FP32): scores over every token of the step, masked to the row's sequence,
+    in fp32; [S, Hq, T] is small beside the layer it replaces.
+    """
+    if TorchFlashAttention.takes(q):
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_seqlens, 1, max_seqlen, 0.0, False,
+                                                       False)[0]
+    groups = q.shape[1] // k.shape[1]  # GQA: each key/value head serves `groups` query heads
+    kf = k.float().repeat_interleave(groups, dim=1)  # [T, Hq, D]
+    vf = v.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("shd,thd->sht", q.float(), kf) * q.shape[-1] ** -0.5  # [S, Hq, T]
+    t = torch.arange(k.shape[0], device=q.device)
+    own = (t[None, :] >= cu_seqlens[:-1, None]) & (t[None, :] < cu_seqlens[1:, None])  # [S, T]
+    scores = scores.masked_fill(~own[:, None, :], torch.finfo(torch.float32).min)
+    return torch.einsum("sht,thd->shd", scores.softmax(-1), vf).to(q.dtype)
+
+
 def _make_triton(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     from pergola.layers.triton_attention import TritonAttention  # that module imports this one
 

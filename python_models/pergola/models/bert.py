@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, head_dim
-from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.attention import AttentionBackend, AttentionMetadata, attend_rows
 from pergola.layers.fused import ACTIVATIONS, layer_norm, use_triton
 from pergola.layers.linear import Linear, MergedLinear, linear
 from pergola.models.loader import Model
@@ -72,9 +72,13 @@ class BertSelfAttention(nn.Module):
         self.head_dim = head_dim(cfg)
         self.qkv = MergedLinear(h, [h, h, h], bias=True)  # fused query | key | value
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; with `rows` ([B] pooled tokens) the rows' outputs only, [B, hidden]."""
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # each [T, H, D]
+        if rows is not None:
+            return attend_rows(q[rows], k, v, meta.cu_seqlens, meta.max_seqlen).reshape(rows.shape[0], -1)
         return attn(q, k, v, meta).reshape(t, -1)
 
 
@@ -101,8 +105,11 @@ class BertLayer(nn.Module):
         """[T, hidden] -> [T, hidden]: intermediate, activation, output, residual + LayerNorm."""
         return add_norm(self.output.dense, self.intermediate.dense.activated(x, self.act), x, self.output.LayerNorm)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        a = self.attention.self(x, meta, attn)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.attention.self(x, meta, attn, rows)
+        if rows is not None:  # the last layer of a row-pooled step: [B, hidden] from here on
+            x = x[rows]
         return self.feed_forward(add_norm(self.attention.output.dense, a, x, self.attention.output.LayerNorm))
 
 
@@ -161,8 +168,13 @@ class BertModel(Model):
         token_types: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         attn: AttentionBackend,
+        rows: torch.Tensor | None = None,  # [B]: return only these rows' states (Model.takes_rows)
     ) -> torch.Tensor:
         x = self.embeddings(input_ids, positions, token_types)
-        for layer in self.encoder.layer:
-            x = layer(x, meta, attn)
+        last = len(self.encoder.layer) - 1
+        for i, layer in enumerate(self.encoder.layer):
+            x = layer(x, meta, attn, rows if i == last else None)
         return x
+
+    def takes_rows(self, pooling: str) -> bool:
+        return True  # bidirectional: any row sees its whole sequence

@@ -41,6 +41,13 @@ class Model(nn.Module):
     def post_load(self) -> None:
         """Fill what is computed rather than read (RoPE tables), once the weights are in."""
 
+    def takes_rows(self, pooling: str) -> bool:
+        """Whether forward() takes `rows` ([B] int64, the token each sequence is pooled from, in
+        `pooling`'s mode) and then returns the last hidden states of those rows only, [B, hidden]:
+        the last layer computes keys and values from every token and the rest from the rows alone
+        (pergola.layers.attention.attend_rows). An architecture that can says so."""
+        return False
+
     def fold_norms(self) -> bool:
         """Fold norm gains into the projections after them, where the architecture can (Qwen3);
         -> whether it did. Called after loading, never for FP8 weights."""

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, head_dim
-from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.attention import AttentionBackend, AttentionMetadata, attend_rows
 from pergola.layers.fused import ACTIVATIONS, LayerNorm, act_and_mul
 from pergola.layers.linear import Linear
 from pergola.models.loader import Model
@@ -72,11 +72,16 @@ class ModernBertAttention(nn.Module):
         self.window = int(cfg.get("local_attention", 128)) // 2 + 1 if layer_type == SLIDING else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata, attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
-        """x [T, hidden] normalised -> the residual stream [T, hidden] with the attention added in place."""
+                meta: AttentionMetadata, attn: AttentionBackend, band: BandAttention,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] normalised -> the residual stream [T, hidden] with the attention added in place;
+        with `rows` ([B] pooled tokens, a full-attention layer) a new [B, hidden] of those rows."""
         t = x.shape[0]
         q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # each [T, H, D]
         q, k = apply_rope(q, k, rope, positions)  # in place in the qkv product on the GPU
+        if rows is not None:
+            out = attend_rows(q[rows], k, v, meta.cu_seqlens, meta.max_seqlen)  # [B, H, D]
+            return self.Wo(out.reshape(rows.shape[0], -1), residual[rows])
         if self.window is not None and meta.max_seqlen > self.window:
             out = band(q, k, v, self.window)
         else:
@@ -108,9 +113,9 @@ class ModernBertEncoderLayer(nn.Module):
         self.mlp = ModernBertMLP(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
-                attn: AttentionBackend, band: BandAttention) -> torch.Tensor:
+                attn: AttentionBackend, band: BandAttention, rows: torch.Tensor | None = None) -> torch.Tensor:
         # The residual adds ride in Wo's epilogues, in place: x is this forward's own stream.
-        x = self.attn(self.attn_norm(x), x, positions, rope, meta, attn, band)
+        x = self.attn(self.attn_norm(x), x, positions, rope, meta, attn, band, rows)
         return self.mlp(self.mlp_norm(x), x)
 
 
@@ -147,6 +152,9 @@ class ModernBertModel(Model):
         for rope in self.rotary.values():
             rope.fill()
 
+    def takes_rows(self, pooling: str) -> bool:
+        return self.layers[-1].layer_type == FULL  # attend_rows has no window
+
     def score(self, pooled: torch.Tensor) -> torch.Tensor:
         """[B, hidden] fp32 pooled states (CLS or mean, as classifier_pooling says) -> [B, num_labels]
         fp32 logits (pergola.outputs.heads activates them)."""
@@ -160,9 +168,11 @@ class ModernBertModel(Model):
         token_types: torch.Tensor,  # [T] ignored (no segment embeddings)
         meta: AttentionMetadata,
         attn: AttentionBackend,
+        rows: torch.Tensor | None = None,  # [B]: return only these rows' states (Model.takes_rows)
     ) -> torch.Tensor:
         x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
         band = BandAttention(meta, positions, self.config["max_position_embeddings"])
-        for layer in self.layers:
-            x = layer(x, positions, self.rotary[layer.layer_type], meta, attn, band)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary[layer.layer_type], meta, attn, band, rows if i == last else None)
         return self.final_norm(x)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pergola.config.hf_folder import ModelFolderError, head_dim, sequence_classification
-from pergola.layers.attention import AttentionBackend, AttentionMetadata
+from pergola.layers.attention import AttentionBackend, AttentionMetadata, attend_rows
 from pergola.layers.fused import PendingNorm, qk_norm_rope, rms_norm, rope_qk, split_qkv
 from pergola.layers.linear import GateUpLinear, Linear, MergedLinear
 from pergola.models.loader import Model
@@ -97,6 +97,7 @@ class Qwen3Attention(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionBackend,
         pending: PendingNorm | None = None,  # the input norm, folded into qkv_proj's weight
+        rows: torch.Tensor | None = None,  # [B] pooled tokens: the output holds these rows only, [B, hidden]
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
@@ -106,6 +107,9 @@ class Qwen3Attention(nn.Module):
         else:
             q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             q, k = apply_rope(q, k, rope, positions)
+        if rows is not None:  # every token's keys and values, the pooled rows' queries
+            out = attend_rows(q[rows], k, v, meta.cu_seqlens, meta.max_seqlen)  # [B, Hq, D]
+            return self.o_proj(out.reshape(rows.shape[0], self.q_size), residual[rows])
         return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size), residual)
 
 
@@ -146,9 +150,10 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(
         self, residual: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
-        attn: AttentionBackend,
+        attn: AttentionBackend, rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Residual stream [T, hidden] -> the same tensor, updated in place by this layer.
+        """Residual stream [T, hidden] -> the same tensor, updated in place by this layer; with
+        `rows` ([B], the last layer of a row-pooled step) a new [B, hidden] of those rows.
 
         The o and down projections add their products to the stream in their matmul epilogue
         (`linear(..., residual)`), so each RMSNorm reads one [T, hidden] tensor and writes one:
@@ -158,9 +163,10 @@ class Qwen3DecoderLayer(nn.Module):
         if self.folded:
             attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
             residual = self.self_attn(residual, residual, positions, rope, meta, attn,
-                                      PendingNorm(residual, attn_norm.eps))
+                                      PendingNorm(residual, attn_norm.eps), rows)
             return self.mlp(residual, residual, PendingNorm(residual, mlp_norm.eps))
-        residual = self.self_attn(self.input_layernorm(residual), residual, positions, rope, meta, attn)
+        residual = self.self_attn(self.input_layernorm(residual), residual, positions, rope, meta, attn,
+                                  rows=rows)
         return self.mlp(self.post_attention_layernorm(residual), residual)
 
 
@@ -241,6 +247,10 @@ class Qwen3Model(Model):
     def post_load(self) -> None:
         self.rotary_emb.fill()
 
+    def takes_rows(self, pooling: str) -> bool:
+        # A causal model's last token sees its whole sequence, as attend_rows computes; its first does not.
+        return pooling == "last" or not self.causal
+
     def fold_norms(self) -> bool:
         """Fold every layer's two RMSNorm gains into the projections after them (Qwen3DecoderLayer.
         fold_norms): 2 fewer kernels per layer (perf/results/2026-12-06-dee4f3a/NOTES.md). Qwen2
@@ -258,10 +268,12 @@ class Qwen3Model(Model):
         token_types: torch.Tensor,  # [T] ignored (no segment embeddings)
         meta: AttentionMetadata,
         attn: AttentionBackend,
+        rows: torch.Tensor | None = None,  # [B]: return only these rows' states (Model.takes_rows)
     ) -> torch.Tensor:
         if meta.causal != self.causal:
             raise ValueError(f"attention metadata says causal={meta.causal}, the model was built causal={self.causal}")
         residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
-        for layer in self.layers:
-            residual = layer(residual, positions, self.rotary_emb, meta, attn)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            residual = layer(residual, positions, self.rotary_emb, meta, attn, rows if i == last else None)
         return self.norm(residual)

@@ -107,6 +107,20 @@ class TokenHeads(nn.Module):
         return torch.cat(columns, dim=1) if len(columns) > 1 else columns[0]
 
 
+ROW_POOLING = ("cls", "last")  # the pooling modes that read one token of each sequence
+
+
+def pooled_rows(cu_seqlens: torch.Tensor, mode: str, num_tokens: int) -> torch.Tensor:
+    """[B + 1] int32 offsets -> [B] int64: the token each sequence is pooled from (ROW_POOLING).
+
+    A CUDA-graph bucket pads the batch with empty sequences that start at T: their CLS / last
+    index is clamped into [0, T) (their rows are never read), since an index of T is a
+    device-side assert on the GPU.
+    """
+    index = cu_seqlens[:-1].long() if mode == "cls" else cu_seqlens[1:].long() - 1
+    return index.clamp(0, num_tokens - 1)
+
+
 def pool(
     hidden: torch.Tensor,  # [T, H] last hidden states
     cu_seqlens: torch.Tensor,  # [B + 1] int32
@@ -114,15 +128,9 @@ def pool(
     mode: str,
     token_weights: torch.Tensor | None = None,  # [T] 1.0 for pooled tokens (mean), None = all
 ) -> torch.Tensor:
-    """-> [B, H] float32. Mean pooling accumulates in fp32 (BF16 sums lose digits fast).
-
-    A CUDA-graph bucket pads the batch with empty sequences that start at T: their CLS / last
-    index is clamped into [0, T) (their rows are never read), since an index of T is a
-    device-side assert on the GPU.
-    """
-    if mode in ("cls", "last"):
-        index = cu_seqlens[:-1].long() if mode == "cls" else cu_seqlens[1:].long() - 1
-        return hidden[index.clamp(0, hidden.shape[0] - 1)].float()
+    """-> [B, H] float32. Mean pooling accumulates in fp32 (BF16 sums lose digits fast)."""
+    if mode in ROW_POOLING:
+        return hidden[pooled_rows(cu_seqlens, mode, hidden.shape[0])].float()
     h = hidden.float()
     num_seqs = cu_seqlens.numel() - 1
     if token_weights is None:

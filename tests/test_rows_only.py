@@ -1,0 +1,162 @@
+"""The last layer on the pooled rows only (EngineConfig.prune_last_layer): CLS- and last-token-pooled
+models compute the last layer's keys and values from every token and the rest from the pooled row
+alone. The vectors must equal those of every row computed, whatever shares the step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pergola.config.engine import EngineConfig
+from pergola.engine import EncodeRequest, Engine
+from pergola.layers.attention import attend_rows
+from pergola_testing import (
+    make_bge_m3_folder,
+    make_cross_encoder_folder,
+    make_modernbert_folder,
+    make_qwen3_folder,
+    make_qwen3_reranker_folder,
+    make_xlm_roberta_folder,
+)
+
+
+def ragged(lengths: list[int], seed: int = 1) -> EncodeRequest:
+    rng = np.random.default_rng(seed)
+    lens = np.array(lengths, np.int32)
+    return EncodeRequest(rng.integers(5, 200, int(lens.sum())).astype(np.int64), lens)
+
+
+def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each sequence's one query row [Hq, D] through SDPA over that sequence's keys alone."""
+    out, start = [], 0
+    for i, n in enumerate(lengths):
+        kk, vv = (x[start:start + n].transpose(0, 1) for x in (k, v))  # [Hkv, n, D]
+        out.append(F.scaled_dot_product_attention(q[i][:, None], kk, vv, enable_gqa=True)[:, 0])
+        start += n
+    return torch.stack(out)
+
+
+def test_attend_rows_equals_attention_over_each_sequence_alone():
+    """GQA (8 query heads on 2 key/value heads), ragged lengths; an empty sequence (a graph bucket's
+    padding) gives a finite row that no other row depends on."""
+    torch.manual_seed(0)
+    lengths = [5, 1, 17, 0, 9]
+    t = sum(lengths)
+    q, k, v = torch.randn(len(lengths), 8, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16)
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    got = attend_rows(q, k, v, cu, max(lengths))
+    assert got.shape == (5, 8, 16) and torch.isfinite(got).all()
+    real = [i for i, n in enumerate(lengths) if n]
+    want = reference_rows(q[real], k, v, [lengths[i] for i in real])
+    torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("rows-only")
+    return {
+        "qwen3 (last token, causal)": make_qwen3_folder(d / "qwen3"),
+        "xlm-roberta (cls)": make_xlm_roberta_folder(d / "xlmr"),
+        "modernbert (cls)": make_modernbert_folder(d / "modernbert"),
+        "bert cross-encoder (cls)": make_cross_encoder_folder(d / "ce"),
+        "qwen3 reranker (last token)": make_qwen3_reranker_folder(d / "qwen3-reranker"),
+        "bge-m3 (cls, token heads)": make_bge_m3_folder(d / "m3"),
+    }
+
+
+def count_attend_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of attend_rows in every model module that imports it."""
+    import pergola.models.bert as bert
+    import pergola.models.modernbert as modernbert
+    import pergola.models.qwen3 as qwen3
+
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return attend_rows(*args, **kwargs)
+
+    for module in (bert, modernbert, qwen3):
+        monkeypatch.setattr(module, "attend_rows", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["qwen3 (last token, causal)", "xlm-roberta (cls)", "modernbert (cls)",
+                                  "bert cross-encoder (cls)", "qwen3 reranker (last token)",
+                                  "bge-m3 (cls, token heads)"])
+def test_the_pooled_rows_last_layer_equals_every_row_computed(folders, kind, monkeypatch):
+    calls = count_attend_rows(monkeypatch)
+    pruned = Engine(EngineConfig(model_dir=str(folders[kind])))
+    full = Engine(EngineConfig(model_dir=str(folders[kind]), prune_last_layer=False))
+    assert pruned.runner.rows_only and not full.runner.rows_only
+    req = ragged([40, 7, 1, 33, 12])
+    got = pruned.encode([req])[0]
+    assert len(calls) == 1  # one step, its last layer
+    want = full.encode([ragged([40, 7, 1, 33, 12])])[0]
+    assert len(calls) == 1
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+    # A text's vector does not depend on its neighbours in the step.
+    text, before, after = (ragged([n], seed=9 + n).input_ids for n in (33, 5, 60))
+    beside = EncodeRequest(np.concatenate([before, text, after]), np.array([5, 33, 60], np.int32))
+    alone = full.encode([EncodeRequest(text, np.array([33], np.int32))])[0][0]
+    np.testing.assert_allclose(pruned.encode([beside])[0][1], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_a_step_that_returns_token_rows_computes_every_row(folders, monkeypatch):
+    """bge-m3: sparse / ColBERT rows need every token's last state, so such a step runs the whole last
+    layer; its dense vector equals the pruned step's."""
+    calls = count_attend_rows(monkeypatch)
+    engine = Engine(EngineConfig(model_dir=str(folders["bge-m3 (cls, token heads)"])))
+    req = ragged([12, 30])
+    req.token_rows = np.empty((int(req.lengths.sum()), engine.runner.token_width), np.float32)
+    with_rows = engine.encode([req])[0]
+    assert not calls and np.isfinite(req.token_rows).all()
+    dense_only = engine.encode([ragged([12, 30])])[0]
+    assert len(calls) == 1
+    np.testing.assert_allclose(dense_only, with_rows, atol=1e-5, rtol=1e-4)
+
+
+def test_models_whose_pooled_row_does_not_see_every_token_keep_the_whole_layer(tmp_path):
+    """Mean pooling reads every row; a causal model's first token sees itself alone (attend_rows
+    gives a row its whole sequence); ModernBERT's sliding last layer has a window attend_rows lacks."""
+    mean = make_qwen3_folder(tmp_path / "mean", variant="bidirectional-mean")
+    assert not Engine(EngineConfig(model_dir=str(mean))).runner.rows_only
+    causal = Engine(EngineConfig(model_dir=str(make_qwen3_folder(tmp_path / "causal"))))
+    assert causal.runner.model.takes_rows("last") and not causal.runner.model.takes_rows("cls")
+    modernbert = Engine(EngineConfig(model_dir=str(make_modernbert_folder(tmp_path / "mb"))))
+    modernbert.runner.model.layers[-1].layer_type = "sliding_attention"
+    assert not modernbert.runner.model.takes_rows("cls")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_attend_rows_flash_kernel_equals_the_masked_scores():
+    """BF16 on CUDA goes through FlashAttention-2's varlen kernel with one query per sequence; the
+    fp32 masked-score path is the reference (Qwen3-0.6B's 16 / 8 heads of 128)."""
+    torch.manual_seed(0)
+    lengths = [300, 1, 4096, 77]
+    t = sum(lengths)
+    q = torch.randn(len(lengths), 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device="cuda")
+    got = attend_rows(q, k, v, cu, max(lengths)).float()
+    want = attend_rows(q.float(), k.float(), v.float(), cu, max(lengths))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[100, 7, 33, 5, 2], [512] * 12], ids=["graph step", "eager step"])
+def test_on_a_gpu_the_pooled_rows_last_layer_equals_every_row(tmp_path_factory, lengths):
+    """Qwen3-0.6B's shape in BF16, a graph step (its bucket pads two empty sequences) and one over the
+    graph crossover (6,144 tokens): the pruned last layer gives the vectors of the whole one."""
+    from conftest import cosine_rows, qwen3_folders_or_skip
+
+    folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("rows-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
+    pruned = Engine(EngineConfig(model_dir=str(folder), device="cuda:0"))
+    full = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", prune_last_layer=False))
+    for _ in range(3):  # warm-up, capture, replay on graph steps
+        got = pruned.encode([ragged(lengths)])[0]
+    want = full.encode([ragged(lengths)])[0]
+    assert cosine_rows(got, want).min() >= 0.9999
