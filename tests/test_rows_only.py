@@ -89,7 +89,7 @@ def count_attend_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
                                   "bge-m3 (cls, token heads)"])
 def test_the_pooled_rows_last_layer_equals_every_row_computed(folders, kind, monkeypatch):
     calls = count_attend_rows(monkeypatch)
-    pruned = Engine(EngineConfig(model_dir=str(folders[kind])))
+    pruned = Engine(EngineConfig(model_dir=str(folders[kind]), prune_last_layer=True))
     full = Engine(EngineConfig(model_dir=str(folders[kind]), prune_last_layer=False))
     assert pruned.runner.rows_only and not full.runner.rows_only
     req = ragged([40, 7, 1, 33, 12])
@@ -109,7 +109,7 @@ def test_a_step_that_returns_token_rows_computes_every_row(folders, monkeypatch)
     """bge-m3: sparse / ColBERT rows need every token's last state, so such a step runs the whole last
     layer; its dense vector equals the pruned step's."""
     calls = count_attend_rows(monkeypatch)
-    engine = Engine(EngineConfig(model_dir=str(folders["bge-m3 (cls, token heads)"])))
+    engine = Engine(EngineConfig(model_dir=str(folders["bge-m3 (cls, token heads)"]), prune_last_layer=True))
     req = ragged([12, 30])
     req.token_rows = np.empty((int(req.lengths.sum()), engine.runner.token_width), np.float32)
     with_rows = engine.encode([req])[0]
@@ -123,7 +123,7 @@ def test_models_whose_pooled_row_does_not_see_every_token_keep_the_whole_layer(t
     """Mean pooling reads every row; a causal model's first token sees itself alone (attend_rows
     gives a row its whole sequence); ModernBERT's sliding last layer has a window attend_rows lacks."""
     mean = make_qwen3_folder(tmp_path / "mean", variant="bidirectional-mean")
-    assert not Engine(EngineConfig(model_dir=str(mean))).runner.rows_only
+    assert not Engine(EngineConfig(model_dir=str(mean), prune_last_layer=True)).runner.rows_only
     causal = Engine(EngineConfig(model_dir=str(make_qwen3_folder(tmp_path / "causal"))))
     assert causal.runner.model.takes_rows("last") and not causal.runner.model.takes_rows("cls")
     modernbert = Engine(EngineConfig(model_dir=str(make_modernbert_folder(tmp_path / "mb"))))
@@ -154,7 +154,7 @@ def test_on_a_gpu_the_pooled_rows_last_layer_equals_every_row(tmp_path_factory, 
     from conftest import cosine_rows, qwen3_folders_or_skip
 
     folder = qwen3_folders_or_skip(tmp_path_factory.mktemp("rows-gpu"), "qwen3-0.6b", "bfloat16")["causal-last"]
-    pruned = Engine(EngineConfig(model_dir=str(folder), device="cuda:0"))
+    pruned = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", prune_last_layer=True))
     full = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", prune_last_layer=False))
     for _ in range(3):  # warm-up, capture, replay on graph steps
         got = pruned.encode([ragged(lengths)])[0]
