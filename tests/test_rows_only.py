@@ -17,6 +17,7 @@ from pergola_testing import (
     make_bge_m3_folder,
     make_cross_encoder_folder,
     make_modernbert_folder,
+    make_qwen2_folder,
     make_qwen3_folder,
     make_qwen3_reranker_folder,
     make_xlm_roberta_folder,
@@ -59,6 +60,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("rows-only")
     return {
         "qwen3 (last token, causal)": make_qwen3_folder(d / "qwen3"),
+        "qwen2 (last token, its norms unfolded)": make_qwen2_folder(d / "qwen2"),
         "xlm-roberta (cls)": make_xlm_roberta_folder(d / "xlmr"),
         "modernbert (cls)": make_modernbert_folder(d / "modernbert"),
         "bert cross-encoder (cls)": make_cross_encoder_folder(d / "ce"),
@@ -84,7 +86,8 @@ def count_attend_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("kind", ["qwen3 (last token, causal)", "xlm-roberta (cls)", "modernbert (cls)",
+@pytest.mark.parametrize("kind", ["qwen3 (last token, causal)", "qwen2 (last token, its norms unfolded)",
+                                  "xlm-roberta (cls)", "modernbert (cls)",
                                   "bert cross-encoder (cls)", "qwen3 reranker (last token)",
                                   "bge-m3 (cls, token heads)"])
 def test_the_pooled_rows_last_layer_equals_every_row_computed(folders, kind, monkeypatch):
