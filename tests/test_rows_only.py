@@ -163,3 +163,30 @@ def test_on_a_gpu_the_pooled_rows_last_layer_equals_every_row(tmp_path_factory, 
         got = pruned.encode([ragged(lengths)])[0]
     want = full.encode([ragged(lengths)])[0]
     assert cosine_rows(got, want).min() >= 0.9999
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_bge_m3_graph_steps_with_and_without_token_rows(folders):
+    """bge-m3 pruned: a graph step without per-token rows (its last layer on the pooled rows) and one with
+    them are graphs of their own; each, warmed up, captured and replayed, equals the whole layer's
+    step (BF16), and the token rows equal the unpruned engine's."""
+    folder = str(folders["bge-m3 (cls, token heads)"])
+    pruned = Engine(EngineConfig(model_dir=folder, device="cuda:0", dtype="bfloat16", prune_last_layer=True))
+    full = Engine(EngineConfig(model_dir=folder, device="cuda:0", dtype="bfloat16", prune_last_layer=False))
+    width = pruned.runner.token_width
+
+    def run(engine: Engine, token_rows: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        req = ragged([12, 30, 5])
+        if token_rows:
+            req.token_rows = np.empty((int(req.lengths.sum()), width), np.float32)
+        return engine.encode([req])[0], req.token_rows
+
+    for token_rows in (False, True):
+        for _ in range(3):  # warm-up, capture, replay
+            got, got_rows = run(pruned, token_rows)
+        want, want_rows = run(full, token_rows)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+        if token_rows:
+            np.testing.assert_allclose(got_rows, want_rows, atol=1e-3, rtol=1e-3)
+    keys = pruned.runner.lanes[0].graphs.stats.keys
+    assert {key[2] for key in keys} == {False, True} and len({key[:2] for key in keys}) == 1

@@ -92,7 +92,7 @@ class EngineConfig:
                                            "final norm run on each sequence's pooled token only (its keys and "
                                            "values still come from every token), 1/layers of the compute saved; "
                                            "not for steps that return per-token rows (bge-m3's sparse / ColBERT, "
-                                           "late chunking) nor bge-m3's graph steps. Off until its GPU path "
+                                           "late chunking). Off until its GPU path "
                                            "(tests/test_rows_only.py) has run on a GPU")
     cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
                                  "own threads keep a core (with every core taken, batch-1 requests stalled "

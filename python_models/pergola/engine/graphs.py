@@ -48,26 +48,31 @@ def round_up(value: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+# (sequence-count bucket, token-count bucket), from key_for; the runner may add a variant of the
+# forward after them (bge-m3's per-token rows computed or not), which forward(*key) receives.
+GraphKey = tuple[int, ...]
+
+
 @dataclass
 class GraphStats:
     eager_warmups: int = 0
     captures: int = 0
     replays: int = 0
     failed_captures: int = 0
-    keys: set[tuple[int, int]] = field(default_factory=set)
+    keys: set[GraphKey] = field(default_factory=set)
 
 
 class GraphCache:
     """Lazy capture + replay of `forward()` over static buffers that the runner fills in place."""
 
-    def __init__(self, forward: Callable[[int, int], None], max_graph_tokens: int, max_seqs: int) -> None:
-        self.forward = forward  # forward(num_seqs_bucket, num_tokens_bucket): reads/writes static buffers
+    def __init__(self, forward: Callable[..., None], max_graph_tokens: int, max_seqs: int) -> None:
+        self.forward = forward  # forward(*key): reads/writes static buffers
         self.tokens = token_buckets(max_graph_tokens)
         self.seqs = seq_buckets(max_seqs)
         self.pool = None  # the memory pool every bucket's graph shares, made at the first capture
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.seen: set[tuple[int, int]] = set()
-        self.uncapturable: set[tuple[int, int]] = set()  # keys whose capture failed: eager from then on
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.seen: set[GraphKey] = set()
+        self.uncapturable: set[GraphKey] = set()  # keys whose capture failed: eager from then on
         self.stats = GraphStats()
 
     def key_for(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
@@ -79,7 +84,7 @@ class GraphCache:
             return None
         return s, t
 
-    def run(self, key: tuple[int, int]) -> str:
+    def run(self, key: GraphKey) -> str:
         """Run the step for `key` (inputs already in the static buffers); returns what it did."""
         graph = self.graphs.get(key)
         if graph is not None:

@@ -341,15 +341,15 @@ class ModelRunner:
 
     # --- GPU path -------------------------------------------------------------------------
     @torch.inference_mode()
-    def _static_forward(self, lane: int, s: int, t: int, max_seqlen: int | None = None,
+    def _static_forward(self, lane: int, s: int, t: int, token_rows: bool = True, *, max_seqlen: int | None = None,
                         attn: AttentionBackend | None = None, plan: object | None = None,
-                        segments: np.ndarray | None = None, token_rows: bool = True) -> torch.Tensor | None:
+                        segments: np.ndarray | None = None) -> torch.Tensor | None:
         """Forward over `lane`'s static buffers padded to (s, t); writes pooled[:s] (and tokens[:t]). Graph-safe.
 
-        GraphCache calls it with (lane, s, t) only, to warm up and capture a graph: the kernel of
-        that step size, with the plan step() made for the key (kept by the graph for its replays).
-        A graph holds bge-m3's per-token rows for every step of its key; an eager step computes them
-        only when asked (`token_rows`), and its last layer otherwise runs on the pooled rows alone.
+        GraphCache calls it with its key only, (lane, s, t) or (lane, s, t, token_rows), to warm up
+        and capture a graph: the kernel of that step size, with the plan step() made for (s, t) (kept
+        by the graph for its replays). bge-m3's per-token rows are computed only when asked
+        (`token_rows`); with `rows_only` its last layer otherwise runs on the pooled rows alone.
         """
         buffers = self.lanes[lane].buffers
         if attn is None:
@@ -390,14 +390,17 @@ class ModelRunner:
         ln = self.lanes[lane]
         num_seqs, num_tokens = len(lengths), int(input_ids.shape[0])
         key = ln.graphs.key_for(num_seqs, num_tokens) if ln.graphs is not None and segments is None else None
-        s, t = key or (num_seqs, num_tokens)
+        if key is not None and self.rows_only and self.token_heads is not None:
+            # bge-m3 pruned: a step without per-token rows runs a graph of its own, its last layer on the pooled rows
+            key = (*key, token_columns > 0)
+        s, t = key[:2] if key is not None else (num_seqs, num_tokens)
         ln.buffers.fill(input_ids, lengths, skips, token_types, s, t)
         sums = None
         if key is not None:
             # Planned for the key before every run: a replay runs the plan captured with the graph,
             # which the backend has just re-planned in place (FlashInfer: the key's own wrapper of
             # this lane's stream, and steps of one stream are ordered: a re-plan never races a replay).
-            ln.plans[key] = self._plan(ln, self.graph_backend(t), graph_key=key)
+            ln.plans[(s, t)] = self._plan(ln, self.graph_backend(t), graph_key=(s, t))
             self.last_mode = ln.graphs.run(key)
         else:
             # Above the graph crossover (or with late chunking's atoms): eager, with the backend measured
