@@ -310,20 +310,22 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 
     CUDA in half precision: PyTorch's FlashAttention-2 varlen kernel with one query per sequence.
     Elsewhere (the CPU, FP32): scores over every token of the step, masked to the row's sequence,
-    in fp32; [S, Hq, T] is small beside the layer it replaces.
+    in fp32; [S, Hq, T] is small beside the layer it replaces, and GQA's heads share their keys
+    through a view, not a copy.
     """
     if TorchFlashAttention.takes(q):
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_seqlens, 1, max_seqlen, 0.0, False,
                                                        False)[0]
-    groups = q.shape[1] // k.shape[1]  # GQA: each key/value head serves `groups` query heads
-    kf = k.float().repeat_interleave(groups, dim=1)  # [T, Hq, D]
-    vf = v.float().repeat_interleave(groups, dim=1)
-    scores = torch.einsum("shd,thd->sht", q.float(), kf) * q.shape[-1] ** -0.5  # [S, Hq, T]
+    s, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(s, hkv, hq // hkv, d)  # [S, Hkv, G, D]: GQA, key/value head j serves G query heads
+    scores = torch.einsum("sjgd,tjd->sjgt", qg, k.float()) * d ** -0.5  # [S, Hkv, G, T]
     t = torch.arange(k.shape[0], device=q.device)
     own = (t[None, :] >= cu_seqlens[:-1, None]) & (t[None, :] < cu_seqlens[1:, None])  # [S, T]
-    scores = scores.masked_fill(~own[:, None, :], torch.finfo(torch.float32).min)
-    return torch.einsum("sht,thd->shd", scores.softmax(-1), vf).to(q.dtype)
+    scores = scores.masked_fill(~own[:, None, None, :], torch.finfo(torch.float32).min)
+    out = torch.einsum("sjgt,tjd->sjgd", scores.softmax(-1), v.float())
+    return out.reshape(s, hq, d).to(q.dtype)
 
 
 def _make_triton(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
