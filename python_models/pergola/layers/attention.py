@@ -142,12 +142,16 @@ class TorchFlashAttention(AttentionBackend):
     # Whether this PyTorch's kernel takes a window (its schema names window_size_left).
     HAS_WINDOW: ClassVar[bool] = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
+    @staticmethod
+    def runs(q: torch.Tensor) -> bool:
+        """Whether the kernel runs `q`'s step: CUDA, fp16/bf16, head_dim <= 256, sm80 or later."""
+        return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
     @classmethod
     def takes(cls, q: torch.Tensor) -> bool:
-        """Whether the windowed kernel runs `q`'s step: CUDA, fp16/bf16, head_dim <= 256, sm80 or
-        later, and a PyTorch whose kernel takes a window."""
-        return (cls.HAS_WINDOW and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-                and torch.cuda.get_device_capability(q.device)[0] >= 8)
+        """Whether the windowed kernel runs `q`'s step: `runs(q)`, in a PyTorch whose kernel takes a window."""
+        return cls.HAS_WINDOW and cls.runs(q)
 
     @staticmethod
     def windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -313,7 +317,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     in fp32; [S, Hq, T] is small beside the layer it replaces, and GQA's heads share their keys
     through a view, not a copy.
     """
-    if TorchFlashAttention.takes(q):
+    if TorchFlashAttention.runs(q):
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_seqlens, 1, max_seqlen, 0.0, False,
                                                        False)[0]
