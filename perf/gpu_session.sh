@@ -120,11 +120,11 @@ for step in "$@"; do
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py tests/test_attention_backends.py tests/test_packing.py \
         tests/test_attention_probe.py tests/test_rows_only.py
       lane_tests ;;
-    prune_ab)  # the last layer on the pooled tokens (variant "pruned") against the whole layer, in process
-      # (bench_engine: the two engines take turns), on the encoders' and Qwen3's shapes (~5 minutes)
+    prune_ab)  # the last layer on the pooled tokens (the default) against the whole layer (variant "whole"), in
+      # process (bench_engine: the two engines take turns), on the encoders' and Qwen3's shapes (~5 minutes)
       for model in bge-m3 gte-modernbert qwen3-0.6b; do
         run "engine_prune_${model//[-.]/_}" python3 perf/bench_engine.py --models "$model" --latency-n 20 \
-          --variant pruned:prune_last_layer=True --backends flashinfer_fa3 --workdir /tmp/pergola-archs \
+          --variant whole:prune_last_layer=False --backends flashinfer_fa3 --workdir /tmp/pergola-archs \
           --out "$OUT/engine_prune_${model//[-.]/_}.json"
       done ;;
     tests)  # the whole suite with the test server's encoders on the GPU, plus the gpu-marked tests

@@ -88,12 +88,12 @@ class EngineConfig:
     fold_norms: bool = option(True, "Qwen3: fold each layer's two RMSNorm gains into the q/k/v and gate/up "
                                     "weights; the kernels after those matmuls apply 1/rms, so a layer runs two "
                                     "kernels fewer (perf/results/2026-12-06-dee4f3a/NOTES.md); not with FP8")
-    prune_last_layer: bool = option(False, "CLS or last-token pooling: the last layer's attention output, MLP and "
-                                           "final norm run on each sequence's pooled token only (its keys and "
-                                           "values still come from every token), 1/layers of the compute saved; "
-                                           "not for steps that return per-token rows (bge-m3's sparse / ColBERT, "
-                                           "late chunking). Off until its GPU path "
-                                           "(tests/test_rows_only.py) has run on a GPU")
+    prune_last_layer: bool = option(True, "CLS or last-token pooling: the last layer's attention output, MLP and "
+                                          "final norm run on each sequence's pooled token only (its keys and "
+                                          "values still come from every token), 1/layers of the compute saved, "
+                                          "2-5% more embeddings/s (perf/results/2026-12-07-5e52bd5/NOTES.md); "
+                                          "not for steps that return per-token rows (bge-m3's sparse / ColBERT, "
+                                          "late chunking)")
     cpu_threads: int = option(0, "torch threads of a CPU encoder instance; 0: the cores less one, so Triton's "
                                  "own threads keep a core (with every core taken, batch-1 requests stalled "
                                  "now and then; perf/results/2026-12-03-a4c7de7/NOTES.md)")
