@@ -135,7 +135,9 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
                  "attention": {"graph": runner.attn.name, "eager": runner.eager_attn.name,
                                "in_use": runner.attention_in_use(),
                                "probe_us": None if runner.probe is None else runner.probe.micros},
-                 "variants": parse_variants(args.variant), "variant_errors": variant_errors}
+                 "variants": parse_variants(args.variant), "variant_errors": variant_errors,
+                 # each engine probes its attention kernels at load: a variant may choose others
+                 "variant_attention": {label: var.runner.attention_in_use() for label, var in variants.items()}}
     print(f"{name}: loaded in {load_s:.1f} s; attention {res['attention']}", flush=True)
     n = args.latency_n
     for length in LAT_LENGTHS[name]:
@@ -159,7 +161,11 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
     for length in TPUT_LENGTHS[name]:
         batch = windows.ids(length, 100, seed=1000 + length)
         check = cosine_min(pergola_embed(engine, batch), hf(batch))
-        p = time_throughput(functools.partial(pergola_embed, engine), batch)
+        # The engine and its variants take turns here too, one call each (HF, far slower, runs alone).
+        engines = {"pergola": engine, **variants}
+        timed = common.time_throughput_interleaved(
+            {label: (lambda x, e=e: pergola_embed(e, x)) for label, e in engines.items()}, batch)
+        p = timed["pergola"]
         h = time_throughput(hf, batch)
         limit = limit_tflops * 1e12 / flops_per_token(spec.hf_config, length, spec.causal)
         row = res["throughput"][length] = {"pergola": p, "hf": h, "min_cosine_vs_hf": check,
@@ -167,7 +173,7 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
                                            "fraction_of_limit": p["tokens_per_s"] / limit,
                                            "ratio_vs_hf": p["tokens_per_s"] / h["tokens_per_s"]}
         for label, var in variants.items():
-            row[label] = time_throughput(lambda x: pergola_embed(var, x), batch)
+            row[label] = timed[label]
             row[label]["min_cosine_vs_hf"] = cosine_min(pergola_embed(var, batch), hf(batch))
         extra = "".join(f", {label} {row[label]['embeddings_per_s']:.0f}" for label in variants)
         print(f"{name} 100 x {length:5d} tok: pergola {p['embeddings_per_s']:.0f} emb/s "

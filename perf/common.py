@@ -212,6 +212,29 @@ def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2
     return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
 
 
+def time_throughput_interleaved(calls: dict, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
+    """time_throughput for several callables, one call of each in turn until each has run
+    min_seconds (and 3 calls): an engine and its variants then share every drift of the GPU's
+    clocks and the host's load, as in time_latency_interleaved."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call(batch)
+    sync()
+    seconds = dict.fromkeys(calls, 0.0)
+    reps = dict.fromkeys(calls, 0)
+    while min(seconds.values()) < min_seconds or min(reps.values()) < 3:
+        for label, call in calls.items():
+            t0 = time.perf_counter()
+            call(batch)
+            sync()
+            seconds[label] += time.perf_counter() - t0
+            reps[label] += 1
+    tokens = sum(len(s) for s in batch)
+    return {label: {"embeddings_per_s": len(batch) * reps[label] / seconds[label],
+                    "tokens_per_s": tokens * reps[label] / seconds[label], "reps": reps[label]}
+            for label in calls}
+
+
 def drain(items: Iterable[T], threads: int, worker: Callable[[], Callable[[T], None]]) -> float:
     """Each of `items` handled once by `threads` threads, each with its own worker() (a client with
     its own connection) -> the wall seconds from the first start to the last finish."""

@@ -104,3 +104,32 @@ def test_vllm_client_sends_token_ids_where_asked():
     finally:
         server.shutdown()
     assert bench_vllm.arg_parser().parse_args([]).ids_api == "embeddings"
+
+
+def test_throughput_interleaved_takes_turns_and_times_each_callable_alone(monkeypatch):
+    """bench_engine's A/B throughput: one call of each engine in turn, so that a drift of the GPU's
+    clocks moves both columns, and each column's time is its own calls' only."""
+    import time
+
+    import common
+    from common import time_throughput_interleaved
+
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    order: list[str] = []
+
+    def call(label: str, seconds: float):
+        def run(batch: list) -> None:
+            order.append(label)
+            time.sleep(seconds)
+        return run
+
+    batch = [[1, 2, 3]] * 4
+    timed = time_throughput_interleaved({"a": call("a", 0.002), "b": call("b", 0.008)}, batch,
+                                        min_seconds=0.05, warmup=1)
+    assert order[:2] == ["a", "b"]  # the warm-ups, one each
+    timed_order = order[2:]
+    assert timed_order == ["a", "b"] * (len(timed_order) // 2)
+    assert timed["a"]["reps"] == timed["b"]["reps"] >= 3
+    assert timed["b"]["embeddings_per_s"] <= len(batch) / 0.008  # b's own 8 ms calls, not a's
+    assert timed["a"]["embeddings_per_s"] > 2 * timed["b"]["embeddings_per_s"]
+    assert timed["a"]["tokens_per_s"] == pytest.approx(timed["a"]["embeddings_per_s"] * 3)
