@@ -20,6 +20,10 @@ OUT=${OUT:-perf/out}
 mkdir -p "$OUT"
 # shellcheck disable=SC1091
 source /tmp/pergola-gpu/env.sh
+if [[ -n ${PERGOLA_GPU_BUNDLE_INCOMPLETE:-} ]]; then  # e.g. the tests' conftest fails to import without part 3
+  echo "gpu_session: the offline bundle is incomplete ($PERGOLA_GPU_BUNDLE_INCOMPLETE): run" \
+    "scripts/gpu_setup.sh for the other parts first; steps that need them will fail" | tee "$OUT/bundle_incomplete.txt" >&2
+fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 GPUS=$(nvidia-smi -L | wc -l)  # the scaling steps' largest N
