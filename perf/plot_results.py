@@ -6,8 +6,8 @@ Reads what the folder holds: engine_qwen3.json (bench_engine.py), server.json an
 (bench_server.py), bench_vllm.py's suites from vllm.json, or vllm_inproc.json and vllm_server.json,
 anatomy.json (anatomy.py), mixed.json / mixed_one_lane.json (bench_mixed.py) and vLLM's mixed suite,
 scaling.json (bench_scaling.py) and vLLM's vllm_dpN.json; writes latency_batch1.png, throughput.png,
-concurrency.png, scoring.png, attention_kernels.png, anatomy.png, mixed_timeline.png and scaling.png
-next to them. Each plot draws the systems the run measured and is skipped, with a note, where pergola
+concurrency.png, scoring.png, attention_kernels.png, anatomy.png, mixed_timeline.png, scaling.png and
+ratios.png (pergola over the fastest vLLM per shape, from server*.json and vllm*_server.json) next to them. Each plot draws the systems the run measured and is skipped, with a note, where pergola
 or vLLM is missing: every figure in a plot comes from the same run on the same machine.
 """
 
@@ -366,6 +366,66 @@ def plot_scaling(folder: Path, sc: Json | None) -> None:
     save(fig, folder, "scaling.png")
 
 
+# (shape, pergola's server JSON, bench_vllm's server suite of that shape, issue 39's goal over vLLM)
+SHAPES = (("Qwen3-0.6B", "server.json", "server", 1.5), ("bge-m3", "server_bge_m3.json", "server_bge-m3", 1.2),
+          ("ModernBERT", "server_gte_modernbert.json", "server_gte-modernbert", 1.2))
+
+
+def vllm_versions(folder: Path) -> dict[str, Json]:
+    """Each vLLM version's server suites in this run: vllm_server.json (0.22) and vllm025_server.json."""
+    runs = {}
+    for name in ("vllm_server.json", "vllm025_server.json"):
+        if (folder / name).exists():
+            data = json.loads((folder / name).read_text())
+            runs[f"vLLM {data.get('vllm', name)}"] = data.get("suites", {})
+    return runs
+
+
+def ratio_rows(folder: Path) -> list[tuple[str, str, float, float, float | None]]:
+    """(shape, length, pergola ÷ the fastest vLLM, the goal, pergola ÷ HF) per throughput length where
+    pergola's server and a vLLM server ran the shape in this run."""
+    rows = []
+    versions = vllm_versions(folder)
+    for shape, pergola_file, suite, goal in SHAPES:
+        if not (folder / pergola_file).exists():
+            continue
+        ours = json.loads((folder / pergola_file).read_text()).get("throughput", {})
+        for length, row in sorted(ours.items(), key=lambda kv: int(kv[0])):
+            theirs = [v[suite]["throughput"][length]["vllm"]["embeddings_per_s"] for v in versions.values()
+                      if length in v.get(suite, {}).get("throughput", {})]
+            if theirs:
+                hf = row["hf"]["embeddings_per_s"] if "hf" in row else None
+                mine = row["pergola"]["embeddings_per_s"]
+                rows.append((shape, length, mine / max(theirs), goal, mine / hf if hf else None))
+    return rows
+
+
+def plot_ratios(folder: Path) -> None:
+    """pergola's server throughput over the fastest vLLM server's (and over HF in process) per shape and
+    length, with each shape's goal: the figure the speed goals are read from."""
+    rows = ratio_rows(folder)
+    if not rows:
+        print("note: ratios.png needs a pergola server JSON and vllm_server.json / vllm025_server.json; skipped")
+        return
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = range(len(rows))
+    vs_vllm = [r[2] for r in rows]
+    ax.bar([x - 0.2 for x in xs], vs_vllm, 0.4, color=COLOR["vLLM server"], label="÷ the fastest vLLM server")
+    ax.bar([x + 0.2 for x in xs], [r[4] or 0 for r in rows], 0.4, color=COLOR["HF"], label="÷ HF in process")
+    for x, (_, _, ratio, goal, _) in zip(xs, rows):
+        ax.hlines(goal, x - 0.45, x + 0.45, colors="black", linestyles="--", lw=1)
+        ax.text(x - 0.2, ratio, f"{ratio:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(xs), [f"{shape}\n{length}" for shape, length, *_ in rows], fontsize=8)
+    ax.set_ylabel("pergola ÷ baseline, emb/s (dashes: goal)")
+    versions = " / ".join(vllm_versions(folder))
+    ax.set_title(f"Throughput through the servers, 100 texts x 4 processes, against {versions} ({same_run(folder)})",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    save(fig, folder, "ratios.png")
+
+
 def main(folder: Path) -> None:
     eng, srv, sc = (load(folder, n) for n in ("engine_qwen3.json", "server.json", "scoring.json"))
     vl = vllm_suites(folder)
@@ -380,6 +440,7 @@ def main(folder: Path) -> None:
                                     "pergola, one lane": load(folder, "mixed_one_lane.json"),
                                     "vLLM server": vllm_mixed(folder)}),
         lambda: plot_scaling(folder, load(folder, "scaling.json")),
+        lambda: plot_ratios(folder),
     ]
     for plot in plots:
         plot()
