@@ -196,3 +196,25 @@ def test_on_a_gpu_bge_m3_graph_steps_with_and_without_token_rows(folders):
                 np.testing.assert_allclose(got_rows, want_rows, atol=1e-3, rtol=1e-3)
     keys = pruned.runner.lanes[0].graphs.stats.keys
     assert {key[2] for key in keys} == {False, True} and len({key[:2] for key in keys}) == 1
+
+
+@pytest.mark.parametrize("kind", ["qwen3 (last token, causal)", "xlm-roberta (cls)"])
+def test_the_pooled_rows_last_layer_in_fp8(folders, kind, monkeypatch):
+    """Every layer in FP8 (fp8_bf16_layers=0), the last one pruned: per-token scales make a row's
+    quantization its own, so the pooled rows equal every row computed within BF16's rounding. The
+    FP8 product is emulated in fp32 on the CPU; the refusal is lifted for the test only."""
+    import pergola.models.loader
+
+    monkeypatch.setattr(pergola.models.loader, "check_supported", lambda device, dtype: None)
+    calls = count_attend_rows(monkeypatch)
+    common = {"model_dir": str(folders[kind]), "dtype": "bfloat16", "quantization": "fp8", "fp8_bf16_layers": 0}
+    pruned = Engine(EngineConfig(**common, prune_last_layer=True))
+    full = Engine(EngineConfig(**common, prune_last_layer=False))
+    assert pruned.runner.rows_only
+    fp8 = {name for name, p in pruned.runner.model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert len(fp8) >= 4 * pruned.spec.hf_config["num_hidden_layers"], sorted(fp8)  # the last layer's too
+    got = pruned.encode([ragged([40, 7, 1, 33, 12])])[0]
+    assert len(calls) == 1
+    want = full.encode([ragged([40, 7, 1, 33, 12])])[0]
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= 0.999, cos
