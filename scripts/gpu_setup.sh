@@ -86,7 +86,7 @@ done
 progress=""  # "parts in: 1 2 5 of 5" while some part has not run yet
 if [[ -n $bundle ]]; then
   n=$(cat "$G/parts/$bundle/count"); done_parts=$(ls "$G/parts/$bundle" | grep -v count | sort -n | tr '\n' ' ')
-  (( $(ls "$G/parts/$bundle" | grep -vc count) < n )) && progress="parts in: ${done_parts}of $n"
+  if (( $(ls "$G/parts/$bundle" | grep -vc count) < n )); then progress="parts in: ${done_parts}of $n"; fi
 fi
 TRITON=$G/triton/pytriton/tritonserver
 MODEL=$G/models/all-MiniLM-L6-v2
