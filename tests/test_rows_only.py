@@ -170,8 +170,12 @@ def test_on_a_gpu_the_pooled_rows_last_layer_equals_every_row(tmp_path_factory, 
     pruned = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", prune_last_layer=True))
     full = Engine(EngineConfig(model_dir=str(folder), device="cuda:0", prune_last_layer=False))
     want = full.encode([ragged(lengths)])[0]
+    modes = []
     for _ in range(3):  # warm-up, capture, replay on graph steps: each must match
         assert cosine_rows(pruned.encode([ragged(lengths)])[0], want).min() >= 0.9999
+        modes.append(pruned.runner.last_mode)
+    graph_step = sum(lengths) <= pruned.cfg.cuda_graph_max_tokens
+    assert modes == (["warmup", "capture", "replay"] if graph_step else ["eager"] * 3)
 
 
 @pytest.mark.gpu
