@@ -124,6 +124,8 @@ for step in "$@"; do
       PERGOLA_TEST_DEVICE=gpu run pytest_gpu_engine python3 -m pytest -q -ra tests/test_gpu.py tests/test_linear.py tests/test_attention_backends.py tests/test_packing.py \
         tests/test_attention_probe.py tests/test_rows_only.py
       lane_tests ;;
+    gpumarked)  # every GPU-marked test in the suite, and nothing else (~5 minutes)
+      PERGOLA_TEST_DEVICE=gpu run pytest_gpu_marked python3 -m pytest -q -ra -m gpu tests ;;
     prune_ab)  # the last layer on the pooled tokens (the default) against the whole layer (variant "whole"), in
       # process (bench_engine: the two engines take turns), on the encoders' and Qwen3's shapes (~5 minutes)
       for model in bge-m3 gte-modernbert qwen3-0.6b; do
