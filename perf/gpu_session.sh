@@ -289,8 +289,9 @@ for step in "$@"; do
     archs_perf_modernbert)  # gte-modernbert-base's shape, pergola vs vLLM's ModernBertModel, ~6 min
       archs_perf gte-modernbert modernbert ;;
     archs_server)  # bge-m3's and gte-modernbert-base's shapes through pergola's server: batch-1 latency and
-      # throughput with HF transformers alongside, in the shared workdir vllm_server reuses (~3 min)
-      for model in bge-m3 gte-modernbert; do
+      # throughput with HF transformers alongside, in the shared workdir vllm_server reuses (~3 min;
+      # ARCHS="bge-m3": one of them)
+      for model in ${ARCHS:-bge-m3 gte-modernbert}; do
         run "server_${model//-/_}" python3 perf/bench_server.py --model "$model" --suites latency throughput \
           --latency-n 40 --workdir /tmp/pergola-archs --out "$OUT/server_${model//-/_}.json"
       done ;;
