@@ -11,6 +11,7 @@ pergola/triton/adapter_timing.py), then sends sequential batch-1 requests with t
             from execute(): Triton's own floor on this host, measured in the same run
   floor_sender  the same, answered from a thread, through the request's response sender, after
             execute() returned (the encoder's way for requests that go through its loop)
+  floor_gpu  on a GPU only: floor on a KIND_GPU instance, no batcher (the instance kind alone)
   floor_batcher  floor (answered from execute(), as the encoder answers a lone query while idle)
             behind the encoder's scheduling: Triton's dynamic batcher without a delay and an
             instance of the encoder's kind (KIND_GPU on a GPU), so that what the batcher and
@@ -53,8 +54,7 @@ from pergola.triton.repo_builder import build_repository, entry_from_folder  # n
 from pergola.triton.server import ServerOptions, local_ports, start, wait_ready  # noqa: E402
 
 NAME, COMPARE = "bench", "compare"
-FLOOR, FLOOR_SENDER, FLOOR_BATCHER = "floor", "floor_sender", "floor_batcher"
-FLOORS = (FLOOR, FLOOR_SENDER, FLOOR_BATCHER)
+FLOOR, FLOOR_SENDER, FLOOR_GPU, FLOOR_BATCHER = "floor", "floor_sender", "floor_gpu", "floor_batcher"
 TEXT = "how do I sort a list of tuples by their second element in python?"
 TRITON_EVENTS = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
                  "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "GRPC_SEND_START",
@@ -112,9 +112,17 @@ class TritonPythonModel:
 '''
 
 
-def write_floor_models(repo: Path, dim: int, gpu: bool) -> None:
-    for name, sender, kind, batcher in ((FLOOR, 0, "KIND_CPU", ""), (FLOOR_SENDER, 1, "KIND_CPU", ""),
-                                        (FLOOR_BATCHER, 0, "KIND_GPU" if gpu else "KIND_CPU", BATCHER)):
+def floor_models(gpu: bool) -> dict[str, tuple[int, str, str]]:
+    """The floors run on this device: name -> (SENDER, instance kind, batcher block). On a GPU,
+    `floor_gpu` (KIND_GPU, no batcher) sits between `floor` and `floor_batcher`, so that the
+    instance kind's cost and the batcher's read apart."""
+    kind = "KIND_GPU" if gpu else "KIND_CPU"
+    gpu_only = {FLOOR_GPU: (0, kind, "")} if gpu else {}
+    return {FLOOR: (0, "KIND_CPU", ""), FLOOR_SENDER: (1, "KIND_CPU", ""), **gpu_only, FLOOR_BATCHER: (0, kind, BATCHER)}
+
+
+def write_floor_models(repo: Path, dim: int, floors: dict[str, tuple[int, str, str]]) -> None:
+    for name, (sender, kind, batcher) in floors.items():
         (repo / name / "1").mkdir(parents=True, exist_ok=True)
         (repo / name / "config.pbtxt").write_text(FLOOR_CONFIG % (name, dim, sender, kind, batcher))
         (repo / name / "1" / "model.py").write_text(FLOOR_MODEL)
@@ -301,7 +309,8 @@ def main() -> None:
                             gpu=args.device == "gpu")
     if args.compare:
         use_checkout(repo, COMPARE, Path(args.compare).resolve())
-    write_floor_models(repo, spec.hidden_size, gpu=args.device == "gpu")
+    floors = floor_models(gpu=args.device == "gpu")
+    write_floor_models(repo, spec.hidden_size, floors)
     trace_file, marks_dir = workdir / "trace.json", workdir / "timing"
     for old in [trace_file, *marks_dir.glob("*.json")]:
         old.unlink(missing_ok=True)
@@ -323,7 +332,7 @@ def main() -> None:
         client = mod.InferenceServerClient(f"127.0.0.1:{opts.grpc_port}")
         tokens, text = token_inputs(mod, ids), text_inputs(mod, args.text)
         suffixes = {name: "" if name == NAME else "@compare" for name in names}
-        groups = [*({floor: (floor, tokens, None)} for floor in FLOORS),
+        groups = [*({floor: (floor, tokens, None)} for floor in floors),
                   {f"encoder{suffixes[n]}": (f"{n}_encoder", tokens, None) for n in names}]
         if args.outputs:
             groups.append({f"encoder_named{suffixes[n]}": (f"{n}_encoder", tokens, args.outputs) for n in names})
@@ -346,7 +355,7 @@ def main() -> None:
         attach_marks([t for t in traces if t["model"] == model], read_marks(marks_dir, model))
     for label, out in phases.items():
         window = out.pop("window_ns")
-        if label in FLOORS:
+        if label in floors:
             models = [(label, False)]
         else:
             ensemble, encoder, step = labels[label]
@@ -354,7 +363,7 @@ def main() -> None:
             models.append((encoder, step))
         out["models"] = {model: timeline(in_window(traces, window, model, child)) for model, child in models}
         out["server_us"] = out["models"][models[0][0]].get("server_us")
-        if label not in FLOORS:
+        if label not in floors:
             enc = in_window(traces, window, labels[label][1], labels[label][2])
             if enc:
                 out["pergola"] = pergola_split(enc)
@@ -365,7 +374,7 @@ def main() -> None:
     for label in [label for label in phases if label.startswith("encoder")]:
         enc = phases[label]
         engine_us = (enc.get("pergola") or {}).get("engine (step + copy back)")
-        for floor in FLOORS:
+        for floor in floors:
             floor_us = phases[floor]["server_us"]
             if floor_us is None or engine_us is None or enc.get("server_us") is None:
                 continue
