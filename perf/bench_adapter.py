@@ -255,6 +255,8 @@ PERGOLA_SPANS = {  # what the adapter itself does, by pair of its marks
     "decode inputs": ("execute", "decoded"), "validate": ("decoded", "validated"),
     "options + job": ("validated", "options"), "submit": ("options", "submitted"),
     "loop wake-up": ("submitted", "started"), "engine (step + copy back)": ("started", "engine_done"),
+    # ... of which, for a query answered at once: the host's work until the device has the step, then the wait
+    "engine: pack + launch": ("started", "launched"), "engine: device + copy back": ("launched", "on_host"),
     "metrics": ("engine_done", "metered"), "output tensors": ("metered", "outputs"),
     "response object": ("outputs", "built"), "send": ("built", "sent"),
 }

@@ -46,6 +46,17 @@ def test_batched_equals_single(engine):
         assert np.abs(embed(engine, [text])[0] - batched[i]).max() <= 1e-5
 
 
+def test_last_step_times_lie_within_the_call(engine):
+    """Engine.last_step_ns, which the adapter's timing marks read: the last step launched, then its
+    result reached the host, both inside encode()."""
+    import time
+
+    before = time.monotonic_ns()
+    embed(engine, TEXTS[:2])
+    launched, on_host = engine.last_step_ns
+    assert before < launched <= on_host <= time.monotonic_ns()
+
+
 def test_requests_share_steps_without_changing_results(minilm_folder, engine):
     """A tiny token budget splits requests across steps and mixes them; results stay put."""
     small = Engine(EngineConfig(model_dir=str(minilm_folder), max_batch_tokens=40, max_batch_seqs=3))

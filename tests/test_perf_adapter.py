@@ -21,7 +21,7 @@ def trace_entries(trace_id: int, start: int, model: str = "bench_encoder", paren
 
 def marks(start: int) -> dict:
     at = {"execute": 100, "decoded": 120, "validated": 150, "options": 160, "submitted": 200, "started": 400,
-          "engine_done": 1_800, "built": 1_900, "sent": 2_100}
+          "launched": 700, "on_host": 1_750, "engine_done": 1_800, "built": 1_900, "sent": 2_100}
     return {k: start + us * 1000 for k, us in at.items()}
 
 
@@ -43,6 +43,7 @@ def test_marks_join_their_trace_and_spans_are_ordered(tmp_path):
     assert tl["answered"] == "INFER_RESPONSE_COMPLETE" and tl["server_us"] == 2_000
     split = pergola_split(picked)
     assert split["validate"] == 30 and split["engine (step + copy back)"] == 1_400 and split["send"] == 200
+    assert split["engine: pack + launch"] == 300 and split["engine: device + copy back"] == 1_050
 
 
 def test_ensemble_steps_are_told_apart_from_direct_calls(tmp_path):

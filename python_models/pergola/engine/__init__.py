@@ -6,6 +6,7 @@ server feeds the same steps from a background loop that takes requests as they a
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class Engine:
         # Running totals for metrics: requests, sequences, tokens, steps, and steps by mode
         # (steps_eager / steps_warmup / steps_capture / steps_replay).
         self.stats: Counter[str] = Counter()
+        # encode()'s last step: (launched: packed, copied and queued on the device; on_host: its result
+        # back), time.monotonic_ns(). The adapter's timing marks split a lone query's engine time with
+        # them (pergola/triton/adapter_timing.py); two clock reads a step.
+        self.last_step_ns: tuple[int, int] = (0, 0)
 
     def validate(self, req: EncodeRequest) -> None:
         """Refuse malformed pre-tokenized input before it can reach a kernel (or pool over no
@@ -179,13 +184,16 @@ class Engine:
             queue.add(i, r.lengths.tolist())
         self.stats.update(requests=len(requests))
         inflight: tuple[Step, LazyTensor] | None = None
+        launched = 0
         for step in queue.steps():
             lazy = self.launch(step, by_key, lane=lane)  # packed while the last step runs
+            launched = time.monotonic_ns()
             if inflight is not None:
                 scatter(*inflight, results, by_key.get)
             inflight = (step, lazy)
         if inflight is not None:
             scatter(*inflight, results, by_key.get)
+            self.last_step_ns = (launched, time.monotonic_ns())
         return results
 
 
