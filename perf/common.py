@@ -197,6 +197,20 @@ def time_latency_interleaved(calls: dict, inputs: list, n: int, warmup: int = 3)
     return {label: percentiles(v) for label, v in ms.items()}
 
 
+def engine_split(engine: Engine, inputs: list, n: int) -> dict[str, float]:
+    """p50 µs of a batch-1 call's two parts, from Engine.last_step_ns: the host's work until the
+    device has the step (request, packing, copies, launch), then the wait for its result on the host.
+    bench_adapter.py splits the same span inside Triton (`engine: pack + launch` / `engine: device + copy back`)."""
+    host, device = [], []
+    for i in range(n):
+        t0 = time.monotonic_ns()
+        pergola_embed(engine, inputs[i % len(inputs)])
+        launched, on_host = engine.last_step_ns
+        host.append((launched - t0) / 1e3)
+        device.append((on_host - launched) / 1e3)
+    return {"pack + launch": float(np.median(host)), "device + copy back": float(np.median(device))}
+
+
 def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
     for _ in range(warmup):
         call(batch)

@@ -133,3 +133,23 @@ def test_throughput_interleaved_takes_turns_and_times_each_callable_alone(monkey
     assert timed["b"]["embeddings_per_s"] <= len(batch) / 0.008  # b's own 8 ms calls, not a's
     assert timed["a"]["embeddings_per_s"] > 2 * timed["b"]["embeddings_per_s"]
     assert timed["a"]["tokens_per_s"] == pytest.approx(timed["a"]["embeddings_per_s"] * 3)
+
+
+def test_engine_split_parts_fit_within_each_call(minilm_folder):
+    """bench_engine's in-process split of a batch-1 call (compared with bench_adapter's inside Triton):
+    both parts measured, and together no longer than the calls themselves."""
+    import time
+
+    import common
+    import numpy as np
+    from pergola.config.engine import EngineConfig
+    from pergola.engine import Engine
+
+    engine = Engine(EngineConfig(model_dir=str(minilm_folder)))
+    inputs = [[np.arange(100, 100 + n, dtype=np.int64)] for n in (16, 40)]
+    t0 = time.perf_counter()
+    split = common.engine_split(engine, inputs, 6)
+    wall_us = (time.perf_counter() - t0) * 1e6
+    assert set(split) == {"pack + launch", "device + copy back"}
+    assert split["pack + launch"] > 0 and split["device + copy back"] >= 0
+    assert split["pack + launch"] + split["device + copy back"] <= wall_us / 6 * 2  # medians of 6 calls
