@@ -212,18 +212,8 @@ def engine_split(engine: Engine, inputs: list, n: int) -> dict[str, float]:
 
 
 def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        call(batch)
-    sync()
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        call(batch)
-        reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_seconds and reps >= 3:
-            break
-    tokens = sum(len(s) for s in batch) * reps
-    return {"embeddings_per_s": len(batch) * reps / elapsed, "tokens_per_s": tokens / elapsed, "reps": reps}
+    """`call(batch)` repeated for min_seconds (and 3 calls) -> embeddings/s, tokens/s, reps."""
+    return time_throughput_interleaved({"": call}, batch, min_seconds, warmup)[""]
 
 
 def time_throughput_interleaved(calls: dict, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:
