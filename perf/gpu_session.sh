@@ -260,6 +260,16 @@ for step in "$@"; do
     fp8_server)  # FP8 through tritonserver: batch-1 latency and the throughput suite, beside `server`'s BF16
       run server_fp8 python3 perf/bench_server.py --model qwen3-0.6b --suites latency throughput perf_analyzer \
         --latency-n 60 --option quantization=fp8 --out "$OUT/server_fp8.json" ;;
+    lane_ab)  # Qwen3's bulk throughput through the server with the query lane (the default: the host held
+      # one layer ahead of the device in bulk steps) and without it (query_tokens=0), no HF baseline (~3 min)
+      run server_lane_on python3 perf/bench_server.py --model qwen3-0.6b --suites throughput --no-baseline \
+        --out "$OUT/server_lane_on.json"
+      run server_lane_off python3 perf/bench_server.py --model qwen3-0.6b --suites throughput --no-baseline \
+        --option query_tokens=0 --out "$OUT/server_lane_off.json" ;;
+    bulk_1024)  # where a 1,024-token bulk call's time goes: kernel time by kind and host vs GPU busy for 100
+      # texts, then one 16 x 1,024 step's kernels with their grids (~1 min)
+      run anatomy_1024 python3 perf/anatomy.py --shapes 100x1024 --out "$OUT/anatomy_1024.json"
+      run profile_16x1024 python3 perf/profile_step.py --seqs 16 --length 1024 --steps 3 --grid ;;
     batch1)  # batch-1 latency through Triton only (latency + perf_analyzer suites), ~1 minute
       run batch1 python3 perf/bench_server.py --model qwen3-0.6b --suites latency perf_analyzer --latency-n 100 \
         --out "$OUT/server_batch1.json" ;;
