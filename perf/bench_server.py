@@ -52,6 +52,7 @@ from common import (  # noqa: E402
     TPUT_LENGTHS,
     HFBaseline,
     cosine_min,
+    encoder_start_lines,
     model_folder,
     percentiles,
     time_latency,
@@ -369,6 +370,7 @@ def main() -> None:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+    res["encoder_start"] = encoder_start_lines(workdir / "tritonserver.log")
     write_result(res, args.out)
 
 

@@ -315,6 +315,18 @@ def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(1).min())
 
 
+def encoder_start_lines(log_path: Path, max_chars: int = 4000) -> list[str]:
+    """The encoder's start-up lines from tritonserver's log (python_models/encoder/model.py): its
+    attention kernels by step size and the probe's timings, which each start measures anew. Kept
+    with a run's figures so that a throughput that moves between runs can be put beside the kernels
+    each start chose."""
+    if not log_path.exists():
+        return []
+    keep = (": device ", ": attention probe")
+    return [line[:max_chars] for line in log_path.read_text(errors="replace").splitlines()
+            if any(k in line for k in keep)]
+
+
 def write_result(res: dict, path: str | Path) -> None:
     """A benchmark's JSON (date, command and figures) where --out says."""
     out = Path(path)

@@ -153,3 +153,18 @@ def test_engine_split_parts_fit_within_each_call(minilm_folder):
     assert set(split) == {"pack + launch", "device + copy back"}
     assert split["pack + launch"] > 0 and split["device + copy back"] >= 0
     assert split["pack + launch"] + split["device + copy back"] <= wall_us / 6 * 2  # medians of 6 calls
+
+
+def test_encoder_start_lines_keep_the_kernel_choices(tmp_path):
+    """bench_server keeps the encoder's start-up lines (kernels by step size, the probe's timings)
+    from tritonserver's log, and nothing else; a missing log gives none."""
+    from common import encoder_start_lines
+
+    log = tmp_path / "tritonserver.log"
+    chosen = ('I1207 21:47:03.452676 26616 model.py:73] "bench_encoder: device cuda:0, attention '
+              "{'graph_upto_512': 'torch_flash', 'eager': 'flashinfer_fa3'}, CUDA graphs on\"")
+    probe = "I1207 21:47:03.452690 26616 model.py:78] \"bench_encoder: attention probe, µs per layer call: {'x': 1}\""
+    log.write_text("\n".join(["I1207 21:47:01.0 1 server.cc:1] started", chosen, probe, "I1207 done"]) + "\n")
+    assert encoder_start_lines(log) == [chosen, probe]
+    assert encoder_start_lines(log, max_chars=20) == [chosen[:20], probe[:20]]
+    assert encoder_start_lines(tmp_path / "absent.log") == []
