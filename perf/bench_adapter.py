@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_folder, percentiles, write_result  # noqa: E402
+from common import ENGINE_PHASES, model_folder, percentiles, write_result  # noqa: E402
 from inputs import TokenWindows  # noqa: E402
 from pergola.config.hf_folder import load_model_spec  # noqa: E402
 from pergola.triton.adapter_timing import ENV as TIMING_ENV  # noqa: E402
@@ -255,10 +255,10 @@ PERGOLA_SPANS = {  # what the adapter itself does, by pair of its marks
     "decode inputs": ("execute", "decoded"), "validate": ("decoded", "validated"),
     "options + job": ("validated", "options"), "submit": ("options", "submitted"),
     "loop wake-up": ("submitted", "started"), "engine (step + copy back)": ("started", "engine_done"),
-    # ... of which, for a query answered at once: the host's work until the device has the step, then the wait
-    "engine: pack + launch": ("started", "launched"), "engine: device + copy back": ("launched", "on_host"),
     "metrics": ("engine_done", "metered"), "output tensors": ("metered", "outputs"),
     "response object": ("outputs", "built"), "send": ("built", "sent"),
+    # ... and the engine's span for a query answered at once, as bench_engine.py splits it in process
+    **{f"engine: {label}": ("started" if a == "start" else a, b) for label, (a, b) in ENGINE_PHASES.items()},
 }
 
 

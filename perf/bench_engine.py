@@ -156,8 +156,8 @@ def bench_model(name: str, workdir: Path, args: argparse.Namespace, limit_tflops
             lat[label]["min_cosine_vs_hf"] = cosine_min(pergola_embed(var, inputs[0]), hf(inputs[0]))
         split = lat["pergola_graph_split_us"] = common.engine_split(engine, inputs, n)
         extra = "".join(f", {label} {lat[label]['p50']:.2f} ms" for label in variants)
-        print(f"{name} batch-1 {length:5d} tok: graph p50 {lat['pergola_graph']['p50']:.2f} ms (pack + launch "
-              f"{split['pack + launch']:.0f} µs, device + copy back {split['device + copy back']:.0f} µs), eager "
+        print(f"{name} batch-1 {length:5d} tok: graph p50 {lat['pergola_graph']['p50']:.2f} ms ("
+              + ", ".join(f"{label} {us:.0f} µs" for label, us in split.items()) + "), eager "
               f"{lat['pergola_eager']['p50']:.2f} ms, HF {lat['hf']['p50']:.2f} ms{extra}, cos {check:.5f}",
               flush=True)
     for length in TPUT_LENGTHS[name]:

@@ -197,18 +197,26 @@ def time_latency_interleaved(calls: dict, inputs: list, n: int, warmup: int = 3)
     return {label: percentiles(v) for label, v in ms.items()}
 
 
+# A batch-1 step's engine time by pair of Engine.last_step_marks ("start": when the call began): the
+# host's work until the device has the step, then the wait for its result; and the host's work by phase.
+# bench_engine.py reads them in process, bench_adapter.py inside Triton ("start" there: `started`).
+ENGINE_PHASES = {
+    "pack + launch": ("start", "launched"), "device + copy back": ("launched", "on_host"),
+    "gather": ("start", "gathered"), "fill + copy": ("gathered", "filled"), "plan": ("filled", "planned"),
+    "replay / kernels": ("planned", "queued"), "copy back queued": ("queued", "launched"),
+}
+
+
 def engine_split(engine: Engine, inputs: list, n: int) -> dict[str, float]:
-    """p50 µs of a batch-1 call's two parts, from Engine.last_step_ns: the host's work until the
-    device has the step (request, packing, copies, launch), then the wait for its result on the host.
-    bench_adapter.py splits the same span inside Triton (`engine: pack + launch` / `engine: device + copy back`)."""
-    host, device = [], []
+    """p50 µs of each ENGINE_PHASES span over n batch-1 calls, in process."""
+    spans: dict[str, list[float]] = {label: [] for label in ENGINE_PHASES}
     for i in range(n):
         t0 = time.monotonic_ns()
         pergola_embed(engine, inputs[i % len(inputs)])
-        launched, on_host = engine.last_step_ns
-        host.append((launched - t0) / 1e3)
-        device.append((on_host - launched) / 1e3)
-    return {"pack + launch": float(np.median(host)), "device + copy back": float(np.median(device))}
+        marks = {"start": t0, **engine.last_step_marks}
+        for label, (a, b) in ENGINE_PHASES.items():
+            spans[label].append((marks[b] - marks[a]) / 1e3)
+    return {label: float(np.median(v)) for label, v in spans.items()}
 
 
 def time_throughput(call, batch: list, min_seconds: float = 2.0, warmup: int = 2) -> dict:

@@ -46,15 +46,17 @@ def test_batched_equals_single(engine):
         assert np.abs(embed(engine, [text])[0] - batched[i]).max() <= 1e-5
 
 
-def test_last_step_times_lie_within_the_call(engine):
-    """Engine.last_step_ns, which the adapter's timing marks read: the last step launched, then its
-    result reached the host, both inside encode()."""
+def test_last_step_marks_lie_within_the_call_in_order(engine):
+    """Engine.last_step_marks, which the adapter's timing marks read: the last step's host phases,
+    then its result on the host, in that order inside encode()."""
     import time
 
     before = time.monotonic_ns()
     embed(engine, TEXTS[:2])
-    launched, on_host = engine.last_step_ns
-    assert before < launched <= on_host <= time.monotonic_ns()
+    marks = engine.last_step_marks
+    assert list(marks) == ["gathered", "filled", "planned", "queued", "launched", "on_host"]
+    assert before < marks["gathered"] and list(marks.values()) == sorted(marks.values())
+    assert marks["on_host"] <= time.monotonic_ns()
 
 
 def test_requests_share_steps_without_changing_results(minilm_folder, engine):

@@ -21,7 +21,8 @@ def trace_entries(trace_id: int, start: int, model: str = "bench_encoder", paren
 
 def marks(start: int) -> dict:
     at = {"execute": 100, "decoded": 120, "validated": 150, "options": 160, "submitted": 200, "started": 400,
-          "launched": 700, "on_host": 1_750, "engine_done": 1_800, "built": 1_900, "sent": 2_100}
+          "gathered": 420, "filled": 470, "planned": 480, "queued": 650, "launched": 700, "on_host": 1_750,
+          "engine_done": 1_800, "built": 1_900, "sent": 2_100}
     return {k: start + us * 1000 for k, us in at.items()}
 
 
@@ -44,6 +45,8 @@ def test_marks_join_their_trace_and_spans_are_ordered(tmp_path):
     split = pergola_split(picked)
     assert split["validate"] == 30 and split["engine (step + copy back)"] == 1_400 and split["send"] == 200
     assert split["engine: pack + launch"] == 300 and split["engine: device + copy back"] == 1_050
+    phases = ["gather", "fill + copy", "plan", "replay / kernels", "copy back queued"]
+    assert [split[f"engine: {p}"] for p in phases] == [20, 50, 10, 170, 50]  # together: pack + launch
 
 
 def test_ensemble_steps_are_told_apart_from_direct_calls(tmp_path):

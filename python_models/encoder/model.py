@@ -182,7 +182,7 @@ class TritonPythonModel:
             return None
         if marks is not None:
             marks["engine_done"] = time.monotonic_ns()
-            marks["launched"], marks["on_host"] = self.engine.last_step_ns
+            marks.update(self.engine.last_step_marks)  # gathered ... launched, on_host
         with self.metrics_lock:
             self.metrics.observe_at_once(int(req.input_ids.size), time.perf_counter() - t0)
             if not self.cfg.metrics_flush_s:  # (asked for after every batch; otherwise the idle loop

@@ -173,6 +173,10 @@ class ModelRunner:
         # Padded backends (SDPA: FP32 on a GPU) and the CPU build their own tensors per step.
         self.lanes: list[Lane] = []
         self.last_mode = "eager"  # what the last step did: eager / warmup / capture / replay
+        # The last step's host phases, time.monotonic_ns(): inputs in the step's buffers ("filled"),
+        # attention planned ("planned"), forward queued on the device ("queued"; on a CPU: run). Three
+        # clock reads a step, for Engine.last_step_marks.
+        self.last_marks: dict[str, int] = {}
         self.layer_hook: Callable[[], None] | None = None  # called between the layers of hooked eager steps
         self._hook_armed = self._in_hook = False
         self._plain_results: list[torch.Tensor] = []  # a GPU without lanes (padded backends): pinned results
@@ -380,7 +384,9 @@ class ModelRunner:
         if not self.lanes:
             with self._armed(hooked):
                 b = self._with_segments(self.prepare(input_ids, lengths, skips, token_types), segments)
+                filled = time.monotonic_ns()
                 pooled, rows, sums = self.forward(b, token_rows=token_columns > 0)
+                self.last_marks = {"filled": filled, "planned": filled, "queued": time.monotonic_ns()}
                 return self._lazy(pooled, tokens=rows[:, :token_columns] if token_columns else None, segments=sums)
         return self._lane_step(lane, input_ids, lengths, skips, token_types, hooked, token_columns, segments)
 
@@ -395,21 +401,25 @@ class ModelRunner:
             key = (*key, token_columns > 0)
         s, t = key[:2] if key is not None else (num_seqs, num_tokens)
         ln.buffers.fill(input_ids, lengths, skips, token_types, s, t)
+        filled = time.monotonic_ns()
         sums = None
         if key is not None:
             # Planned for the key before every run: a replay runs the plan captured with the graph,
             # which the backend has just re-planned in place (FlashInfer: the key's own wrapper of
             # this lane's stream, and steps of one stream are ordered: a re-plan never races a replay).
             ln.plans[(s, t)] = self._plan(ln, self.graph_backend(t), graph_key=(s, t))
+            planned = time.monotonic_ns()
             self.last_mode = ln.graphs.run(key)
         else:
             # Above the graph crossover (or with late chunking's atoms): eager, with the backend measured
             # fastest for big steps.
             plan = self._plan(ln, self.eager_attn)
+            planned = time.monotonic_ns()
             with self._armed(hooked):
                 sums = self._static_forward(lane, s, t, max_seqlen=int(lengths.max()), attn=self.eager_attn, plan=plan,
                                             segments=segments, token_rows=token_columns > 0)
             self.last_mode = "eager"
+        self.last_marks = {"filled": filled, "planned": planned, "queued": time.monotonic_ns()}
         rows = ln.buffers.tokens[:num_tokens, :token_columns] if token_columns else None
         return self._lazy(ln.buffers.pooled[:num_seqs], ln, rows, sums)
 

@@ -10,8 +10,12 @@ CLOCK_MONOTONIC on Linux, the clock of Triton's own trace timestamps, so the two
     options      its options read (DIMENSIONS, NORMALIZE, ENCODING / TOP_N / RAW_SCORES)
     submitted    queued on the encode loop           (execute() then returns: COMPUTE_END)
     started      the loop put its first sequence into a step
-    launched     a query answered at once: its step packed, copied and queued on the device
-    on_host      … its step's result on the host (Engine.last_step_ns)
+    gathered     a query answered at once: its step's ids gathered (Engine.last_step_marks) ...
+    filled       … in the step's buffers, copies to the device queued
+    planned      … its attention planned
+    queued       … its forward queued (a graph replay launched, or the eager kernels)
+    launched     … its copy back queued too
+    on_host      … its step's result on the host
     engine_done  the loop handed its result back (step done, copied to the host)
     metered      a query answered at once: its metrics recorded (the loop meters its own steps)
     outputs      its output arrays and pb_utils.Tensor objects made
