@@ -52,12 +52,11 @@ class Engine:
         # Running totals for metrics: requests, sequences, tokens, steps, and steps by mode
         # (steps_eager / steps_warmup / steps_capture / steps_replay).
         self.stats: Counter[str] = Counter()
-        # encode()'s last step, time.monotonic_ns() in order: gathered (its ids from the requests),
-        # filled, planned, queued (ModelRunner.last_marks), launched (its copy back queued too) and
-        # on_host (its result back). The adapter's timing marks split a lone query's engine time with
-        # them (pergola/triton/adapter_timing.py); a few clock reads a step.
+        # The last step launched, time.monotonic_ns() in order: gathered (its ids from the requests),
+        # filled, planned, queued (ModelRunner.last_marks), launched (its copy back queued too), and
+        # after encode() on_host (its result back). The adapter's timing marks split a lone query's
+        # engine time with them (pergola/triton/adapter_timing.py); a few clock reads a step.
         self.last_step_marks: dict[str, int] = {}
-        self._gathered = 0  # when launch() had its step's inputs
 
     def validate(self, req: EncodeRequest) -> None:
         """Refuse malformed pre-tokenized input before it can reach a kernel (or pool over no
@@ -146,9 +145,10 @@ class Engine:
             columns = max((requests[s.request].token_rows.shape[1] for s in step.seqs
                            if requests[s.request].token_rows is not None), default=0)
         inputs = self._gather(requests, step)
-        self._gathered = time.monotonic_ns()
+        gathered = time.monotonic_ns()
         lazy = self.runner.step(*inputs, lane=lane, hooked=hooked, token_columns=columns,
                                 segments=self._step_segments(requests, step))
+        self.last_step_marks = {"gathered": gathered, **self.runner.last_marks, "launched": time.monotonic_ns()}
         self.stats.update(steps=1, sequences=len(step.seqs), tokens=step.num_tokens,
                           **{f"steps_{self.runner.last_mode}": 1})
         return lazy
@@ -188,16 +188,14 @@ class Engine:
             queue.add(i, r.lengths.tolist())
         self.stats.update(requests=len(requests))
         inflight: tuple[Step, LazyTensor] | None = None
-        marks: dict[str, int] = {}
         for step in queue.steps():
             lazy = self.launch(step, by_key, lane=lane)  # packed while the last step runs
-            marks = {"gathered": self._gathered, **self.runner.last_marks, "launched": time.monotonic_ns()}
             if inflight is not None:
                 scatter(*inflight, results, by_key.get)
             inflight = (step, lazy)
         if inflight is not None:
             scatter(*inflight, results, by_key.get)
-            self.last_step_marks = marks | {"on_host": time.monotonic_ns()}
+            self.last_step_marks["on_host"] = time.monotonic_ns()  # (the last step's: the last launched)
         return results
 
 
