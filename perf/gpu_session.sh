@@ -267,8 +267,9 @@ for step in "$@"; do
       run server_lane_off python3 perf/bench_server.py --model qwen3-0.6b --suites throughput --no-baseline \
         --option query_tokens=0 --out "$OUT/server_lane_off.json" ;;
     bulk_1024)  # where a 1,024-token bulk call's time goes: kernel time by kind and host vs GPU busy for 100
-      # texts, then one 16 x 1,024 step's kernels with their grids (~1 min)
-      run anatomy_1024 python3 perf/anatomy.py --shapes 100x1024 --out "$OUT/anatomy_1024.json"
+      # texts (anatomy.json, as `anatomy` writes it for all its shapes: plot_results.py draws either), then
+      # one 16 x 1,024 step's kernels with their grids (~1 min)
+      run anatomy python3 perf/anatomy.py --shapes 100x1024 --out "$OUT/anatomy.json"
       run profile_16x1024 python3 perf/profile_step.py --seqs 16 --length 1024 --steps 3 --grid ;;
     batch1)  # batch-1 latency through Triton only (latency + perf_analyzer suites), ~1 minute
       run batch1 python3 perf/bench_server.py --model qwen3-0.6b --suites latency perf_analyzer --latency-n 100 \
